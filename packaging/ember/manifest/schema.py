@@ -1,0 +1,285 @@
+"""The `ember.toml` schema: one pydantic model per manifest section.
+
+Every key has a default except `[model] name` and `version`. Unknown keys are errors
+(`extra="forbid"`); `ember.manifest.load` turns them into "did you mean" messages.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+AUTO = "auto"
+NONE = "none"
+
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+_VERSION_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}$")
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from a number of seconds or a string such as "90s", "5m", "1.5h", "250ms"."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 300, \"30s\", \"5m\" or \"1h\"")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        match = _DURATION_RE.match(str(value))
+        if not match:
+            raise ValueError(f"expected a duration such as 300, \"30s\", \"5m\" or \"1h\", got {value!r}")
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    if seconds < 0:
+        raise ValueError("must not be negative")
+    return seconds
+
+
+def _package_dir(info: ValidationInfo) -> Path | None:
+    ctx = info.context or {}
+    pkg = ctx.get("package_dir")
+    return Path(pkg) if pkg is not None else None
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class ModelSection(Section):
+    """[model]: what the package is."""
+
+    name: str = Field(description="Package name: lowercase letters, digits, '.', '_' or '-'.")
+    version: str = Field(description="Package version, e.g. \"1.0.0\". Versions are immutable in a registry.")
+    weights: str = Field("weights", description="Directory (relative to the package) with the Hugging Face "
+                         "checkpoint: config.json, *.safetensors, tokenizer files.")
+    description: str = ""
+    license: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError(f"{v!r} is not a valid package name: use lowercase letters, digits, '.', '_' "
+                             "and '-', starting with a letter or digit (at most 64 characters)")
+        return v
+
+    @field_validator("version")
+    @classmethod
+    def _check_version(cls, v: str) -> str:
+        if not _VERSION_RE.match(v):
+            raise ValueError(f"{v!r} is not a valid version: use letters, digits, '.', '+', '_' and '-', "
+                             "e.g. \"1.0.0\"")
+        return v
+
+    @field_validator("weights")
+    @classmethod
+    def _check_weights(cls, v: str, info: ValidationInfo) -> str:
+        _check_relative(v)
+        pkg = _package_dir(info)
+        if pkg is not None and not (pkg / v).is_dir():
+            raise ValueError(f"weights directory {v!r} does not exist in the package")
+        return v
+
+
+class RuntimeSection(Section):
+    """[runtime]: how the engine runs the model."""
+
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="Compute dtype; \"auto\" takes the checkpoint's torch_dtype (bfloat16 if absent).")
+    max_model_len: int | None = Field(
+        None, ge=16, description="Longest prompt + output in tokens; default: the model's max_position_embeddings.")
+    max_num_seqs: int = Field(64, ge=1, le=4096, description="Most sequences decoded in one step.")
+    max_num_batched_tokens: int = Field(
+        2048, ge=16, description="Token budget of one engine step (decode tokens + chunked prefill).")
+    kv_block_size: int = Field(16, description="Tokens per KV-cache block: a power of two from 1 to 256.")
+    kv_cache_memory_gb: float | None = Field(
+        None, gt=0, description="Memory for the KV cache in GiB; default: a fraction of free device memory.")
+    memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Fraction of device memory the engine may use when kv_cache_memory_gb "
+        "is not set.")
+    enable_prefix_caching: bool = True
+    accelerator: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Device to run on; \"auto\" uses a GPU when one is present.")
+    seed: int = Field(0, description="Seed for requests that give none.")
+
+    @field_validator("kv_block_size")
+    @classmethod
+    def _check_block(cls, v: int) -> int:
+        if not (_is_power_of_two(v) and v <= 256):
+            raise ValueError(f"must be a power of two from 1 to 256, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> RuntimeSection:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                             f"max_num_seqs ({self.max_num_seqs}): every running sequence decodes one "
+                             "token per step")
+        return self
+
+
+class QuantizationSection(Section):
+    """[quantization]: a quantizer plugin by name, "auto", or "none"."""
+
+    method: str = Field(NONE, description="A quantization plugin's name, \"auto\" (hardware-aware plugins "
+                        "decide) or \"none\".")
+    options: dict[str, Any] = Field(default_factory=dict, description="Passed to the quantizer.")
+
+
+class SpeculatorSection(Section):
+    """[speculator]: speculative decoding."""
+
+    method: str = Field(NONE, description="A speculator plugin's name (e.g. \"ngram\"), \"auto\" or \"none\".")
+    num_speculative_tokens: int = Field(4, description="Tokens proposed per step, 1 to 16.")
+    max_batch_size: int = Field(8, ge=1, description="Speculation is off while more sequences than this run.")
+    model: str | None = Field(None, description="Directory (relative to the package) of a draft model, "
+                              "Medusa heads or EAGLE head, for speculators that need one.")
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("num_speculative_tokens")
+    @classmethod
+    def _check_k(cls, v: int) -> int:
+        if not 1 <= v <= 16:
+            raise ValueError(f"must be from 1 to 16, got {v}")
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None:
+            return v
+        _check_relative(v)
+        pkg = _package_dir(info)
+        if pkg is not None and not (pkg / v).exists():
+            raise ValueError(f"speculator model {v!r} does not exist in the package")
+        return v
+
+
+class ParallelismSection(Section):
+    """[parallelism]: how one replica spreads over devices."""
+
+    strategy: str = Field(AUTO, description="A parallel-strategy plugin's name, \"auto\" or \"none\".")
+    tensor_parallel: int = Field(1, description="Devices each layer is split over: a power of two.")
+    expert_parallel: int = Field(1, description="Devices the experts of an MoE model are spread over: a "
+                                 "power of two.")
+
+    @field_validator("tensor_parallel", "expert_parallel")
+    @classmethod
+    def _check_pow2(cls, v: int) -> int:
+        if not (_is_power_of_two(v) and v <= 64):
+            raise ValueError(f"must be a power of two from 1 to 64, got {v}")
+        return v
+
+
+class KernelsSection(Section):
+    """[kernels]: which attention backend runs the paged attention."""
+
+    attention: str = Field(AUTO, description="An attention-backend plugin's name (e.g. \"torch\") or \"auto\".")
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class ScalingSection(Section):
+    """[scaling]: replicas and the autoscaler."""
+
+    min_replicas: int = Field(1, ge=0, description="0 lets the deployment scale to zero when idle.")
+    max_replicas: int = Field(1, ge=1)
+    target_concurrency: int = Field(32, ge=1, description="In-flight requests per replica the autoscaler "
+                                    "aims for.")
+    scale_down_delay: float = Field(900.0, description="Idle time before a replica is removed: seconds or "
+                                    "a string such as \"15m\".")
+    prewarm: bool = Field(False, description="Start a replica at deploy time even when min_replicas = 0.")
+
+    @field_validator("scale_down_delay", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> float:
+        return parse_duration(v)
+
+    @model_validator(mode="after")
+    def _check_range(self) -> ScalingSection:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must not exceed max_replicas "
+                             f"({self.max_replicas})")
+        return self
+
+
+class LoraEntry(Section):
+    """[[lora]]: one LoRA adapter in PEFT layout (adapter_config.json + adapter_model.safetensors)."""
+
+    name: str = Field(description="The adapter's name; requests pick it with \"model\": \"PACKAGE:NAME\".")
+    path: str = Field(description="Directory (relative to the package) holding the adapter.")
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError(f"{v!r} is not a valid adapter name: use lowercase letters, digits, '.', '_' "
+                             "and '-'")
+        return v
+
+    @field_validator("path")
+    @classmethod
+    def _check_path(cls, v: str, info: ValidationInfo) -> str:
+        _check_relative(v)
+        pkg = _package_dir(info)
+        if pkg is not None:
+            adapter = pkg / v
+            if not adapter.is_dir():
+                raise ValueError(f"adapter directory {v!r} does not exist in the package")
+            if not (adapter / "adapter_config.json").is_file():
+                raise ValueError(f"adapter directory {v!r} has no adapter_config.json (PEFT layout expected)")
+        return v
+
+
+class ServingSection(Section):
+    """[serving]: request handling and disaggregated prefill/decode."""
+
+    disaggregated: bool = Field(False, description="Run prefill and decode on separate replicas joined by "
+                                "the KV block transfer.")
+    prefill_replicas: int = Field(1, ge=1)
+    decode_replicas: int = Field(1, ge=1)
+    request_timeout: float = Field(600.0, description="Longest a request may run: seconds or \"10m\".")
+    max_queue: int = Field(256, ge=0, description="Requests that may wait for a replica before 429s.")
+
+    @field_validator("request_timeout", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> float:
+        return parse_duration(v)
+
+
+class Manifest(Section):
+    """A whole `ember.toml`."""
+
+    model: ModelSection
+    runtime: RuntimeSection = Field(default_factory=RuntimeSection)
+    quantization: QuantizationSection = Field(default_factory=QuantizationSection)
+    speculator: SpeculatorSection = Field(default_factory=SpeculatorSection)
+    parallelism: ParallelismSection = Field(default_factory=ParallelismSection)
+    kernels: KernelsSection = Field(default_factory=KernelsSection)
+    scaling: ScalingSection = Field(default_factory=ScalingSection)
+    lora: list[LoraEntry] = Field(default_factory=list)
+    serving: ServingSection = Field(default_factory=ServingSection)
+
+    @model_validator(mode="after")
+    def _check_unique_adapters(self) -> Manifest:
+        seen: set[str] = set()
+        for entry in self.lora:
+            if entry.name in seen:
+                raise ValueError(f"two [[lora]] entries are named {entry.name!r}")
+            seen.add(entry.name)
+        return self
+
+    @property
+    def reference(self) -> str:
+        return f"{self.model.name}:{self.model.version}"
+
+
+def _check_relative(path: str) -> None:
+    p = Path(path)
+    if p.is_absolute() or ".." in p.parts:
+        raise ValueError(f"{path!r} must be a path inside the package (relative, without '..')")
