@@ -55,3 +55,66 @@ def make_package(tmp_path: Path) -> Callable[..., Path]:
         return write_tiny_package(root, name, version, extra_toml, seed)
 
     return make
+
+
+# --- plugin distributions ------------------------------------------------------------------
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def readme_plugin_sources() -> dict[str, str]:
+    """The files of the plugin in README.md's "Write a plugin" section, by their `# file:` line."""
+    import re
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("## Write a plugin", 1)[1].split("\n## ", 1)[0]
+    files = {}
+    for block in re.findall(r"```(?:toml|python)\n(.*?)```", section, flags=re.S):
+        first, _, rest = block.partition("\n")
+        if first.startswith("# file: "):
+            files[first.removeprefix("# file: ").strip()] = rest
+    return files
+
+
+def pip_install_target(source: Path, target: Path) -> None:
+    """Install a distribution for real (build backend, dist-info, entry points) into `target`."""
+    import subprocess
+    import sys
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--no-index", "--target", str(target), str(source)],
+        check=True, capture_output=True, text=True,
+    )
+
+
+@pytest.fixture(scope="session")
+def plugin_dists(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Site directories, each holding one installed test plugin distribution.
+
+    "redact" is built from README.md's plugin source, so the README's example is what is tested.
+    """
+    root = tmp_path_factory.mktemp("plugin-dists")
+    readme_src = root / "src" / "ember-redact"
+    readme_src.mkdir(parents=True)
+    for name, text in readme_plugin_sources().items():
+        (readme_src / name).write_text(text)
+    sources = {"redact": readme_src, "techniques": FIXTURES / "ember-test-techniques",
+               "broken": FIXTURES / "ember-broken-plugin"}
+    sites = {}
+    for key, source in sources.items():
+        sites[key] = root / f"site-{key}"
+        pip_install_target(source, sites[key])
+    return sites
+
+
+@pytest.fixture
+def use_plugins(plugin_dists: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """use_plugins("redact", "techniques"): make those distributions importable and discoverable."""
+    monkeypatch.delenv("EMBER_DISABLE_PLUGINS", raising=False)
+
+    def use(*keys: str) -> None:
+        for key in keys:
+            monkeypatch.syspath_prepend(str(plugin_dists[key]))
+
+    return use

@@ -2,11 +2,17 @@
 
 This package is deliberately light (pydantic, pluggy, boto3, rich): a model author can
 install it on a laptop without torch. The serving platform lives in `ember_platform`.
+
+The public API for plugin authors: `hookimpl` (the marker), `Selection` (what a selection
+hook may return), and the types hooks receive, `Manifest` and `Hardware`.
 """
 
 from ember.errors import EmberError
+from ember.hardware import Hardware
 from ember.hooks import NAME, hookimpl, hookspec
+from ember.manifest import Manifest
+from ember.selection import Selection
 
 __version__ = "0.1.0"
 
-__all__ = ["NAME", "EmberError", "__version__", "hookimpl", "hookspec"]
+__all__ = ["NAME", "EmberError", "Hardware", "Manifest", "Selection", "__version__", "hookimpl", "hookspec"]

@@ -25,6 +25,8 @@ def load_manifest(path: str | Path, *, check_files: bool = True) -> Manifest:
     relative to the manifest's directory.
     """
     path = Path(path)
+    if not path.exists():
+        raise ManifestError(f"{path}: no such file or directory")
     if path.is_dir():
         path = path / MANIFEST_NAME
     if not path.is_file():

@@ -1,0 +1,112 @@
+"""The hook specifications: the whole contract between Ember, plugins and model packages.
+
+Three groups:
+
+* **Registration** — a plugin declares the techniques it adds by calling `register(name, impl,
+  summary=...)`. `impl` is the technique class (or factory), or a "module:attr" string that is
+  imported only when the technique is used, so that listing plugins never imports torch.
+* **Selection** (`firstresult`) — pick one technique of a kind for a package on this hardware.
+  Return a technique name, an `ember.Selection` (name, options, reason), or None to pass. The
+  package's `hooks.py` is asked first, then plugins (last registered first), and last the
+  manifest's own choice. A hardware-aware plugin should answer only when the manifest says
+  "auto" (`manifest.quantization.method == "auto"`, ...), so an explicit choice stands.
+* **Lifecycle** — called as a model loads and around every request.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ember.hooks import hookspec
+
+if TYPE_CHECKING:
+    from ember.hardware import Hardware
+    from ember.manifest import Manifest
+    from ember.selection import Selection
+
+
+class Register(Protocol):
+    """The callback registration hooks receive."""
+
+    def __call__(self, name: str, impl: Any, *, summary: str = "") -> None: ...
+
+
+# --- registration -------------------------------------------------------------------------
+
+
+@hookspec
+def ember_quantizers(register: Register) -> None:
+    """Register quantization techniques (weight-only or weight+activation), e.g. "int8"."""
+
+
+@hookspec
+def ember_speculators(register: Register) -> None:
+    """Register speculative-decoding proposers, e.g. "ngram", "draft", "eagle"."""
+
+
+@hookspec
+def ember_attention_backends(register: Register) -> None:
+    """Register paged-attention backends, e.g. "torch", "triton", "flashinfer"."""
+
+
+@hookspec
+def ember_parallel_strategies(register: Register) -> None:
+    """Register ways to spread one replica over several devices, e.g. "tensor", "expert"."""
+
+
+@hookspec
+def ember_routing_scorers(register: Register) -> None:
+    """Register router scorers that rate replicas for a request, e.g. "prefix", "load", "lora"."""
+
+
+# --- selection ----------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def ember_select_quantization(manifest: Manifest, hardware: Hardware,
+                              available: frozenset[str]) -> Selection | str | None:
+    """Choose the quantization technique ("none" for full precision) for this package and hardware."""
+
+
+@hookspec(firstresult=True)
+def ember_select_speculator(manifest: Manifest, hardware: Hardware,
+                            available: frozenset[str]) -> Selection | str | None:
+    """Choose the speculator ("none" to decode one token per step)."""
+
+
+@hookspec(firstresult=True)
+def ember_select_attention_backend(manifest: Manifest, hardware: Hardware,
+                                   available: frozenset[str]) -> Selection | str | None:
+    """Choose the attention backend that runs paged attention on this hardware."""
+
+
+@hookspec(firstresult=True)
+def ember_select_parallelism(manifest: Manifest, hardware: Hardware,
+                             available: frozenset[str]) -> Selection | str | None:
+    """Choose the parallel strategy ("none" for a single device)."""
+
+
+# --- lifecycle ----------------------------------------------------------------------------
+
+
+@hookspec
+def ember_model_loaded(manifest: Manifest, model: Any, hardware: Hardware) -> None:
+    """Called once per replica after the weights are loaded and techniques applied, before warm-up."""
+
+
+@hookspec
+def ember_preprocess_request(request: dict[str, Any], manifest: Manifest) -> dict[str, Any] | None:
+    """Inspect or rewrite a request (an OpenAI-style body) before it is tokenized.
+
+    Return a new request dict to replace it, or None to keep it. Implementations are chained:
+    each sees the result of the one called before it.
+    """
+
+
+@hookspec
+def ember_postprocess_output(output: dict[str, Any], request: dict[str, Any],
+                             manifest: Manifest) -> dict[str, Any] | None:
+    """Inspect or rewrite a finished output ({"text", "token_ids", "finish_reason"}) before it is sent.
+
+    Return a new output dict to replace it, or None to keep it; chained like preprocessing.
+    """

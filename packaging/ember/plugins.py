@@ -1,0 +1,355 @@
+"""The plugin host: owns a pluggy PluginManager, discovers plugins, selects techniques.
+
+Whoever needs plugins (the CLI, a replica, a test) makes a `PluginHost`; there is no
+import-time global. Plugins are found through the entry-point group "ember" — Ember's own
+built-ins exactly like third-party ones — then a package's `hooks.py` is registered last so
+that it is called first and can override any plugin.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import importlib.util
+import os
+import re
+import sys
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pluggy
+
+from ember import hookspecs
+from ember.errors import PluginError
+from ember.hardware import Hardware, detect_hardware
+from ember.hooks import NAME, hookimpl
+from ember.manifest import AUTO, NONE, Manifest, load_manifest
+from ember.selection import Selection, SelectionReport
+from ember.techniques import KINDS, SELECTABLE, Technique, TechniqueRegistry
+
+DISABLE_ENV = "EMBER_DISABLE_PLUGINS"
+HOOKS_FILE = "hooks.py"
+MANIFEST_PLUGIN = "ember.manifest"
+
+
+@dataclass(frozen=True, slots=True)
+class PluginInfo:
+    """A loaded plugin: its name, where it came from, and what it registers."""
+
+    name: str
+    source: str  # "entry point", "package hooks.py", "registered in code"
+    distribution: str | None
+    version: str | None
+    techniques: tuple[Technique, ...]
+
+
+def disabled_from_env() -> set[str]:
+    return {name.strip() for name in os.environ.get(DISABLE_ENV, "").split(",") if name.strip()}
+
+
+class PluginHost:
+    """Discovers and holds plugins for one package (or none), and answers the hooks."""
+
+    def __init__(self, *, entry_points: bool = True, disabled: Iterable[str] | None = None) -> None:
+        self.pm = pluggy.PluginManager(NAME)
+        self.pm.add_hookspecs(hookspecs)
+        self.disabled = set(disabled) if disabled is not None else disabled_from_env()
+        self._origins: dict[str, tuple[str, str | None, str | None]] = {}
+        self._registry: TechniqueRegistry | None = None
+        self._hardware: dict[str, Hardware] = {}
+        self.register(_ManifestChoice(self), MANIFEST_PLUGIN, source="built into ember")
+        if entry_points:
+            self.load_entry_points()
+
+    # --- discovery ------------------------------------------------------------------------
+
+    def load_entry_points(self) -> None:
+        """Import and register every plugin of the "ember" entry-point group, unless disabled."""
+        seen: set[str] = set()
+        for ep in sorted(importlib.metadata.entry_points(group=NAME), key=lambda e: e.name):
+            if ep.name in seen or ep.name in self.disabled or self.pm.has_plugin(ep.name):
+                continue  # the same distribution can be visible twice on sys.path
+            seen.add(ep.name)
+            dist = getattr(ep, "dist", None)
+            dist_name, version = (dist.metadata["Name"], dist.version) if dist is not None else (None, None)
+            try:
+                plugin = ep.load()
+            except Exception as e:
+                raise PluginError(f"plugin '{ep.name}' (from {dist_name or 'unknown distribution'}, "
+                                  f"{ep.value}) failed to import: {type(e).__name__}: {e}") from e
+            self.register(plugin, ep.name, source="entry point", distribution=dist_name, version=version)
+        self.check_pending()
+
+    def load_package_hooks(self, package_dir: str | Path) -> str | None:
+        """Register the package's hooks.py (if any) last, so it is called first. Returns its name."""
+        path = Path(package_dir) / HOOKS_FILE
+        if not path.is_file():
+            return None
+        name = f"package:{Path(package_dir).resolve().name}"
+        module = _import_file(path, f"ember_package_hooks_{abs(hash(str(path.resolve())))}")
+        self.register(module, name, source="package hooks.py")
+        self.check_pending()
+        return name
+
+    def register(self, plugin: object, name: str, *, source: str = "registered in code",
+                 distribution: str | None = None, version: str | None = None) -> None:
+        if name in self.disabled:
+            return
+        try:
+            self.pm.register(plugin, name=name)
+        except ValueError as e:
+            raise PluginError(f"plugin '{name}': {e}") from None
+        except pluggy.PluginValidationError as e:
+            raise PluginError(f"plugin '{name}': {e}") from None
+        self._origins[name] = (source, distribution, version)
+        self._registry = None
+
+    def check_pending(self) -> None:
+        """A hook implementation whose name is no hook spec is an error (a typo, most likely)."""
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as e:
+            match = re.search(r"unknown hook '(\w+)'", str(e))
+            hook = match.group(1) if match else "?"
+            close = difflib.get_close_matches(hook, self.hook_names(), n=1)
+            hint = f" — did you mean '{close[0]}'?" if close else f" (hooks: {', '.join(self.hook_names())})"
+            name = self.pm.get_name(e.plugin) or "?"
+            raise PluginError(f"{self._describe(name)}: '{hook}' is not an Ember hook{hint}") from None
+
+    @classmethod
+    def for_package(cls, package_dir: str | Path, **kwargs: Any) -> PluginHost:
+        host = cls(**kwargs)
+        host.load_package_hooks(package_dir)
+        return host
+
+    # --- what is installed ----------------------------------------------------------------
+
+    @staticmethod
+    def hook_names() -> list[str]:
+        return sorted(n for n in dir(hookspecs) if n.startswith("ember_"))
+
+    @property
+    def techniques(self) -> TechniqueRegistry:
+        """Every technique the registered plugins declare (collected once, then cached)."""
+        if self._registry is None:
+            registry = TechniqueRegistry()
+            for spec in KINDS.values():
+                for plugin_name, call in self._impls(spec.register_hook):
+                    def register(name: str, impl: Any, *, summary: str = "", _p: str = plugin_name,
+                                 _k: str = spec.kind) -> None:
+                        registry.add(Technique(_k, name, impl, _p, summary))
+                    call(register=register)
+            self._registry = registry
+        return self._registry
+
+    def plugins(self) -> list[PluginInfo]:
+        infos = []
+        for name, _plugin in self.pm.list_name_plugin():
+            source, dist, version = self._origins.get(name, ("registered in code", None, None))
+            infos.append(PluginInfo(name, source, dist, version, tuple(self.techniques.by_plugin(name))))
+        return sorted(infos, key=lambda p: (p.name != MANIFEST_PLUGIN, p.name))
+
+    def hardware(self, manifest: Manifest | None = None) -> Hardware:
+        accelerator = manifest.runtime.accelerator if manifest is not None else "auto"
+        if accelerator not in self._hardware:
+            self._hardware[accelerator] = detect_hardware(accelerator)
+        return self._hardware[accelerator]
+
+    # --- manifest checks and selection ----------------------------------------------------
+
+    def check_manifest(self, manifest: Manifest, source: str = "ember.toml") -> None:
+        """Every technique the manifest names explicitly must be provided by an installed plugin."""
+        for kind in SELECTABLE:
+            spec = KINDS[kind]
+            assert spec.manifest_key is not None
+            value = _manifest_value(manifest, spec.manifest_key)
+            if value in spec.reserved or self.techniques.get(kind, value) is not None:
+                continue
+            raise PluginError(f"{source}: {spec.manifest_key}: {unknown_technique_message(self, kind, value)}")
+
+    def select(self, kind: str, manifest: Manifest, hardware: Hardware | None = None) -> SelectionReport:
+        """Ask the selection hook for `kind`; report the winner and who decided."""
+        spec = KINDS[kind]
+        if spec.select_hook is None:
+            raise ValueError(f"{kind} techniques are not selected per package")
+        hardware = hardware or self.hardware(manifest)
+        available = frozenset(self.techniques.of_kind(kind))
+        for plugin_name, call in self._impls(spec.select_hook):
+            answer = call(manifest=manifest, hardware=hardware, available=available)
+            if answer is None:
+                continue
+            selection = answer if isinstance(answer, Selection) else Selection(str(answer))
+            if plugin_name != MANIFEST_PLUGIN:
+                decided_by = f"{self._describe(plugin_name)} ({spec.select_hook})"
+            elif _manifest_value(manifest, spec.manifest_key or "") == AUTO:
+                decided_by = "ember's auto fallback"
+            else:
+                decided_by = "manifest"
+            if selection.name not in (NONE,) and self.techniques.get(kind, selection.name) is None:
+                raise PluginError(f"{decided_by} chose {kind} '{selection.name}': "
+                                  f"{unknown_technique_message(self, kind, selection.name)}")
+            options = selection.options
+            if not options and (kind == "parallelism"
+                                or selection.name == _manifest_value(manifest, spec.manifest_key or "")):
+                options = _manifest_options(manifest, kind)
+            return SelectionReport(kind, selection.name, dict(options), selection.reason, decided_by)
+        raise PluginError(f"no installed plugin provides an {kind} technique for {hardware.describe()} "
+                          if kind[0] in "aeiou" else
+                          f"no installed plugin provides a {kind} technique for {hardware.describe()} "
+                          f"(set {spec.manifest_key} in ember.toml, or install a plugin that provides one)")
+
+    def select_all(self, manifest: Manifest, hardware: Hardware | None = None) -> dict[str, SelectionReport]:
+        return {kind: self.select(kind, manifest, hardware) for kind in SELECTABLE}
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def model_loaded(self, manifest: Manifest, model: Any, hardware: Hardware | None = None) -> None:
+        self.pm.hook.ember_model_loaded(manifest=manifest, model=model,
+                                        hardware=hardware or self.hardware(manifest))
+
+    def preprocess_request(self, request: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
+        """Chain every ember_preprocess_request implementation (package hooks.py first)."""
+        for _, call in self._impls("ember_preprocess_request"):
+            replaced = call(request=request, manifest=manifest)
+            if replaced is not None:
+                request = replaced
+        return request
+
+    def postprocess_output(self, output: dict[str, Any], request: dict[str, Any],
+                           manifest: Manifest) -> dict[str, Any]:
+        for _, call in self._impls("ember_postprocess_output"):
+            replaced = call(output=output, request=request, manifest=manifest)
+            if replaced is not None:
+                output = replaced
+        return output
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _impls(self, hook_name: str) -> Iterator[tuple[str, Callable[..., Any]]]:
+        """Implementations of a hook in pluggy's call order (last registered, tryfirst first).
+
+        The host calls them itself when it needs to know *which* plugin answered (selection)
+        or to chain results (pre/post-processing); pluggy's public `get_hookimpls()` gives the
+        order. Wrappers are not used on these hooks.
+        """
+        caller = getattr(self.pm.hook, hook_name)
+        for impl in reversed(caller.get_hookimpls()):
+            if impl.hookwrapper or getattr(impl, "wrapper", False):
+                continue
+
+            def call(_impl: Any = impl, **kwargs: Any) -> Any:
+                try:
+                    return _impl.function(**{arg: kwargs[arg] for arg in _impl.argnames})
+                except PluginError:
+                    raise
+                except Exception as e:
+                    raise PluginError(f"{self._describe(_impl.plugin_name)}: {hook_name} raised "
+                                      f"{type(e).__name__}: {e}") from e
+            yield impl.plugin_name, call
+
+    def _describe(self, plugin_name: str) -> str:
+        source = self._origins.get(plugin_name, ("",))[0]
+        return "package hooks.py" if source == "package hooks.py" else f"plugin '{plugin_name}'"
+
+
+def unknown_technique_message(host: PluginHost, kind: str, name: str) -> str:
+    available = sorted(host.techniques.of_kind(kind)) + list(KINDS[kind].reserved)
+    close = difflib.get_close_matches(name, available, n=1)
+    hint = f" — did you mean '{close[0]}'?" if close else ""
+    return (f"no installed plugin provides {kind} '{name}' (available: {', '.join(available)}){hint}")
+
+
+def _manifest_value(manifest: Manifest, dotted_key: str) -> Any:
+    value: Any = manifest
+    for part in dotted_key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _manifest_options(manifest: Manifest, kind: str) -> dict[str, Any]:
+    section = {"quantization": manifest.quantization, "speculator": manifest.speculator,
+               "attention": manifest.kernels}.get(kind)
+    options = dict(getattr(section, "options", {}) or {})
+    if kind == "speculator" and manifest.speculator.method != NONE:
+        options.setdefault("num_speculative_tokens", manifest.speculator.num_speculative_tokens)
+        options.setdefault("max_batch_size", manifest.speculator.max_batch_size)
+    if kind == "parallelism":
+        options = {"tensor_parallel": manifest.parallelism.tensor_parallel,
+                   "expert_parallel": manifest.parallelism.expert_parallel}
+    return options
+
+
+def _import_file(path: Path, module_name: str) -> ModuleType:
+    """Import a package's hooks.py; an error in it is reported with its file and line."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        sys.modules.pop(module_name, None)
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename) == path]
+        where = f"{path}:{frames[-1].lineno}" if frames else str(path)
+        raise PluginError(f"{where}: {type(e).__name__}: {e}") from e
+    return module
+
+
+class _ManifestChoice:
+    """The default selection: the manifest's explicit choice, or a plain fallback for "auto".
+
+    Registered first with trylast, so every plugin and the package's hooks.py are asked before it.
+    """
+
+    def __init__(self, host: PluginHost) -> None:
+        self._host = host
+
+    @hookimpl(trylast=True)
+    def ember_select_quantization(self, manifest: Manifest) -> Selection:
+        return _explicit_or(manifest.quantization, "method", "quantization.method", NONE)
+
+    @hookimpl(trylast=True)
+    def ember_select_speculator(self, manifest: Manifest) -> Selection:
+        return _explicit_or(manifest.speculator, "method", "speculator.method", NONE)
+
+    @hookimpl(trylast=True)
+    def ember_select_attention_backend(self, manifest: Manifest) -> Selection | None:
+        if manifest.kernels.attention != AUTO:
+            return _explicit_or(manifest.kernels, "attention", "kernels.attention", "")
+        # No plugin answered "auto": prefer the portable backend, else any installed one.
+        installed = self._host.techniques.of_kind("attention")
+        if not installed:
+            return None
+        name = "torch" if "torch" in installed else next(iter(installed))
+        return Selection(name, reason=f"auto: no plugin chose, so the installed backend '{name}'")
+
+    @hookimpl(trylast=True)
+    def ember_select_parallelism(self, manifest: Manifest) -> Selection:
+        p = manifest.parallelism
+        if p.strategy != AUTO:
+            return _explicit_or(p, "strategy", "parallelism.strategy", "")
+        if p.tensor_parallel == 1 and p.expert_parallel == 1:
+            return Selection(NONE, reason="auto: tensor_parallel = expert_parallel = 1, one device")
+        name = "expert" if p.expert_parallel > 1 else "tensor"
+        return Selection(name, reason=f"auto: tensor_parallel = {p.tensor_parallel}, "
+                                      f"expert_parallel = {p.expert_parallel}")
+
+
+def _explicit_or(section: Any, field: str, key: str, fallback: str) -> Selection:
+    value = getattr(section, field)
+    if value != AUTO:
+        where = "in ember.toml" if field in section.model_fields_set else "(the default)"
+        return Selection(value, reason=f"{key} = {value!r} {where}")
+    return Selection(fallback, reason=f"auto: no plugin chose, so the default '{fallback}'")
+
+
+def load_package(package_dir: str | Path, *, check_files: bool = True) -> tuple[Manifest, PluginHost]:
+    """Load a package's manifest and hooks (not its weights) and check its technique names."""
+    manifest = load_manifest(package_dir, check_files=check_files)
+    host = PluginHost.for_package(package_dir)
+    host.check_manifest(manifest, source=str(Path(package_dir) / "ember.toml"))
+    return manifest, host
