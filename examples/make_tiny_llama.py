@@ -67,11 +67,11 @@ kv_block_size = 16      # tokens per KV-cache block: prefix caching shares whole
 max_num_seqs = 32       # a tiny model decodes many sequences per step cheaply
 
 [scaling]
-min_replicas = 0        # scale to zero when idle: a 7 MB model loads in well under a second
+min_replicas = 0        # scale to zero when idle: a 7 MB model loads again in well under a second
 max_replicas = 2
 target_concurrency = 16 # in-flight requests per replica before the autoscaler adds one
 scale_down_delay = "5m" # idle time before a replica is removed
-prewarm = false         # no replica at deploy time; the first request starts one
+prewarm = true          # but start one at deploy time, so `ember serve` answers at once
 """
 
 HOOKS = '''\

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -43,15 +45,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@contextmanager
+def moto_server(log: Path, env: dict[str, str] | None = None) -> Iterator[str]:
     """A moto S3 server in its own process on a free loopback port; yields its endpoint URL."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = tmp_path_factory.mktemp("moto") / "moto.log"
     with open(log, "wb") as out:
         server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                  stdout=out, stderr=subprocess.STDOUT)
+                                  stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -70,6 +71,36 @@ def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with moto_server(tmp_path_factory.mktemp("moto") / "moto.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def iam_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
+    """A second server that checks IAM: after the setup below, the dummy credentials are unknown
+    to it, and those of a user with no policy are denied everything. Yields (endpoint, that user)."""
+    setup_calls = 3  # create_bucket, create_user, create_access_key
+    log = tmp_path_factory.mktemp("moto-iam") / "moto.log"
+    with moto_server(log, {"INITIAL_NO_AUTH_ACTION_COUNT": str(setup_calls)}) as url:
+        auth = {"endpoint_url": url, "region_name": "us-east-1", "aws_access_key_id": "testing",
+                "aws_secret_access_key": "testing"}
+        import boto3
+
+        boto3.client("s3", **auth).create_bucket(Bucket="locked")
+        iam = boto3.client("iam", **auth)
+        iam.create_user(UserName="nobody")
+        key = iam.create_access_key(UserName="nobody")["AccessKey"]
+        yield url, {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
+
+
+@pytest.fixture
+def dead_endpoint() -> str:
+    """An endpoint URL on a loopback port that nothing listens on."""
+    return f"http://127.0.0.1:{free_port()}"
 
 
 @pytest.fixture(scope="session")
@@ -99,7 +130,7 @@ class LocalStore:
         self.root = root
         self.registry = LocalRegistry(root)
 
-    def keys(self) -> list[str]:
+    def list_keys(self) -> list[str]:
         if not self.root.exists():
             return []
         return sorted(p.relative_to(self.root).as_posix() for p in self.root.rglob("*") if p.is_file())
@@ -126,7 +157,7 @@ class S3Store:
         self.client, self.bucket, self.prefix = client, bucket, prefix
         self.registry = S3Registry(f"s3://{bucket}/{prefix}", endpoint)
 
-    def keys(self) -> list[str]:
+    def list_keys(self) -> list[str]:
         pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix)
         return sorted(obj["Key"][len(self.prefix):] for page in pages for obj in page.get("Contents", []))
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from ember.errors import ManifestError
 from ember.manifest import load_manifest, parse_duration
 

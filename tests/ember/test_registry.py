@@ -59,7 +59,7 @@ def test_push_then_pull_round_trips(store, make_package, deploy, cache):
     lock = pushed.lock
     assert not pushed.already_pushed
     assert set(pushed.uploaded) == set(lock.blobs()) and pushed.already_present == 0
-    assert set(store.keys()) == blob_keys(lock) | {index_key("tiny", "0.1.0")}
+    assert set(store.list_keys()) == blob_keys(lock) | {index_key("tiny", "0.1.0")}
     assert store.read(index_key("tiny", "0.1.0")) == (src / LOCK_NAME).read_bytes()
 
     pulled = pull_package("tiny:0.1.0", store.registry, deploy / "out", cache)
@@ -102,7 +102,7 @@ def test_new_version_changing_hooks_uploads_only_hooks_and_manifest(store, make_
     # The version lives in ember.toml, so a new version always brings a new manifest blob too.
     assert set(result.uploaded) == changed and len(result.uploaded) == 2
     assert result.already_present == len(first.blobs()) - 2
-    assert set(store.keys()) == (blob_keys(first) | blob_keys(result.lock)
+    assert set(store.list_keys()) == (blob_keys(first) | blob_keys(result.lock)
                                  | {index_key("tiny", "0.1.0"), index_key("tiny", "0.2.0")})
     assert "2 blobs uploaded" in result.summary() and "already in the registry" in result.summary()
 
@@ -116,7 +116,7 @@ def test_forced_push_changing_only_hooks_uploads_exactly_one_blob(store, make_pa
     hooks = next(f for f in result.lock.files if f.path == "hooks.py")
     assert result.uploaded == {hooks.sha256: hooks.size}
     assert result.already_present == len(first.blobs()) - 1
-    assert sum(k.startswith("blobs/") for k in store.keys()) == len(first.blobs()) + 1
+    assert sum(k.startswith("blobs/") for k in store.list_keys()) == len(first.blobs()) + 1
     assert result.summary().startswith(f"pushed tiny:0.1.0 (sha256:{result.lock.digest[7:19]})")
     assert "1 blob uploaded (" in result.summary()
 
@@ -129,10 +129,10 @@ def test_versions_are_immutable(store, make_package):
     assert "already pushed" in again.summary()
 
     (src / "hooks.py").write_text("changed = True\n")
-    before = store.keys()
+    before = store.list_keys()
     with pytest.raises(RegistryError, match=r"bump \[model\] version in .*ember.toml, or --force"):
         push_package(src, store.registry)
-    assert store.keys() == before
+    assert store.list_keys() == before
 
 
 def test_pushing_a_package_with_an_escaping_symlink_uploads_nothing(store, make_package, tmp_path):
@@ -142,7 +142,7 @@ def test_pushing_a_package_with_an_escaping_symlink_uploads_nothing(store, make_
     (src / "weights" / "tokenizer.json").symlink_to(secret)
     with pytest.raises(PackageError, match="symlink points outside the package"):
         push_package(src, store.registry)
-    assert store.keys() == []
+    assert store.list_keys() == []
 
 
 def test_pull_picks_the_latest_version_in_version_order(store, make_package, deploy, cache):
