@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from ember.errors import PackageError
 from ember.package import LOCK_NAME, Lock, build_package, verify_package
 

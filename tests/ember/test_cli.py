@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from ember.cli.main import COMMAND_MODULES, build_parser
 
 COMMANDS = ["init", "build", "verify", "push", "pull", "ls", "schema", "plugins", "explain"]

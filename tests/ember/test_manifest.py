@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from ember.errors import ManifestError
 from ember.manifest import load_manifest, parse_duration
 
@@ -153,7 +154,7 @@ def test_toml_syntax_error_names_file_and_line(pkg: Path) -> None:
 def test_missing_manifest(tmp_path: Path) -> None:
     with pytest.raises(ManifestError, match="no such file"):
         load_manifest(tmp_path / "nothing")
-    with pytest.raises(ManifestError, match="needs an ember.toml"):
+    with pytest.raises(ManifestError, match=r"needs an ember\.toml"):
         load_manifest(tmp_path)
 
 

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from ember import Hardware, Selection, hookimpl
 from ember.errors import PluginError
 from ember.manifest import load_manifest

@@ -32,6 +32,6 @@ __all__ = [
     "ServingSection",
     "SpeculatorSection",
     "load_manifest",
-    "parse_manifest",
     "parse_duration",
+    "parse_manifest",
 ]
