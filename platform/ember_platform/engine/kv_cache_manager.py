@@ -1,0 +1,188 @@
+"""The paged KV cache's bookkeeping: a block pool with refcounts and a prefix cache.
+
+Blocks hold `block_size` tokens of K/V for every layer. A full block that has been computed
+is registered under its chained hash (see block_hash.py); a later request whose prompt starts
+with the same blocks reuses them instead of recomputing. Blocks with no user stay cached
+until they are needed: the free queue is least-recently-freed first, and a request's blocks
+are freed tail first, so shared prefixes (the heads) are evicted last.
+
+Every block that enters or leaves the prefix cache is reported as an event; the router and
+the KV tiers consume them (`drain_events`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ember_platform.engine.block_hash import BlockHash
+from ember_platform.engine.request import Request
+
+
+@dataclass(slots=True)
+class KVEvents:
+    """Block hashes that entered (`stored`) or left (`removed`) the prefix cache since the last drain."""
+
+    stored: list[BlockHash] = field(default_factory=list)
+    removed: list[BlockHash] = field(default_factory=list)
+
+
+class BlockPool:
+    """Refcounted blocks, an LRU queue of free ones, and the hash -> block map."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = evict first
+        self.cached: dict[BlockHash, int] = {}
+        self.events = KVEvents()
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take a reference on cached blocks (taking free ones off the free queue)."""
+        for b in block_ids:
+            if self.ref_cnt[b] == 0:
+                del self.free[b]
+            self.ref_cnt[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise RuntimeError(f"asked for {n} KV blocks with {len(self.free)} free")
+        out = []
+        for _ in range(n):
+            b, _ = self.free.popitem(last=False)
+            self._evict(b)
+            self.ref_cnt[b] = 1
+            out.append(b)
+        return out
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        """Drop a reference; blocks nobody holds go to the tail of the free queue (evicted last)."""
+        for b in block_ids:
+            self.ref_cnt[b] -= 1
+            assert self.ref_cnt[b] >= 0, f"block {b} released twice"
+            if self.ref_cnt[b] == 0:
+                self.free[b] = None
+
+    def cache(self, block_id: int, block_hash: BlockHash) -> None:
+        if self.block_hash[block_id] is not None:
+            return  # already registered (a prefix-cache hit)
+        if block_hash in self.cached:
+            return  # an identical block computed concurrently by another request: keep the first
+        self.block_hash[block_id] = block_hash
+        self.cached[block_hash] = block_id
+        self.events.stored.append(block_hash)
+
+    def _evict(self, b: int) -> None:
+        h = self.block_hash[b]
+        if h is not None:
+            self.block_hash[b] = None
+            if self.cached.get(h) == b:
+                del self.cached[h]
+                self.events.removed.append(h)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible while no block is in use."""
+        if len(self.free) != self.num_blocks:
+            return False
+        for b in range(self.num_blocks):
+            self._evict(b)
+        return True
+
+
+class KVCacheManager:
+    """Allocates blocks to requests and serves prefix-cache hits."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._num_cached_blocks: dict[str, int] = {}  # per request: blocks already registered
+        self.num_prefix_queries = 0  # tokens looked up / found, for the hit-rate metric
+        self.num_prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """Cached blocks matching the start of `req`'s tokens, and how many tokens they hold.
+
+        Never the whole sequence: its last token must be computed to produce logits.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        req.update_block_hashes(self.block_size)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits = []
+        for h in req.block_hashes[:max_blocks]:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits, len(hits) * self.block_size
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count an admitted request's prefix lookup (for the hit-rate metric)."""
+        self.num_prefix_queries += num_tokens
+        self.num_prefix_hits += num_hit_tokens
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens of KV (after any `computed_blocks` hits).
+
+        Returns False, changing nothing, when the pool cannot hold them.
+        """
+        computed_blocks = computed_blocks or []
+        total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        needed = self.blocks_needed(total) - len(req.block_ids) - len(computed_blocks)
+        # Hit blocks nobody holds sit in the free queue: touching them uses up free blocks too.
+        free_hits = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
+        if max(needed, 0) > self.pool.num_free - free_hits:
+            return False
+        self.pool.touch(computed_blocks)
+        req.block_ids.extend(computed_blocks)
+        if needed > 0:
+            req.block_ids.extend(self.pool.allocate(needed))
+        return True
+
+    def cache_blocks(self, req: Request) -> None:
+        """Register the request's full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        req.update_block_hashes(self.block_size)
+        done = self._num_cached_blocks.get(req.request_id, 0)
+        full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes), len(req.block_ids))
+        for i in range(done, full):
+            self.pool.cache(req.block_ids[i], req.block_hashes[i])
+        self._num_cached_blocks[req.request_id] = max(done, full)
+
+    def free(self, req: Request) -> None:
+        """Return a request's blocks, tail first so that its shared head is evicted last."""
+        self.pool.release(reversed(req.block_ids))
+        req.block_ids = []
+        self._num_cached_blocks.pop(req.request_id, None)
+
+    def drain_events(self) -> KVEvents:
+        events, self.pool.events = self.pool.events, KVEvents()
+        return events
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_prefix_hits / self.num_prefix_queries if self.num_prefix_queries else 0.0

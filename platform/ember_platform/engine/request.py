@@ -1,0 +1,88 @@
+"""A request's state inside the engine: its tokens, progress, blocks and block hashes."""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+from ember_platform.engine.block_hash import ROOT_PARENT, BlockHash, extra_keys, hash_block
+
+if TYPE_CHECKING:
+    from ember_platform.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the model's context
+    FINISHED_ABORTED = "abort"  # the client went away
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """One sequence being generated. Token ids = prompt + output; KV exists for the first
+    `num_computed_tokens` of them."""
+
+    __slots__ = ("_extra", "arrival", "block_hashes", "block_ids", "cache_salt", "finish_reason",
+                 "lora_name", "num_cached_tokens", "num_computed_tokens", "num_preemptions",
+                 "output_token_ids", "params", "prompt_token_ids", "request_id", "spec_token_ids", "status",
+                 "stop_reason")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
+                 *, lora_name: str | None = None, cache_salt: str | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.arrival = arrival  # monotonic submission order: FCFS and preemption order
+        self.lora_name = lora_name
+        self.cache_salt = cache_salt
+        self._extra = extra_keys(lora_name, cache_salt)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first schedule)
+        self.num_preemptions = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[BlockHash] = []
+        self.spec_token_ids: list[int] = []  # proposed by a speculator, verified next step
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return self.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def update_block_hashes(self, block_size: int) -> None:
+        """Hash every newly full block (prompt and output alike), chained from the last one."""
+        tokens = None
+        while (len(self.block_hashes) + 1) * block_size <= self.num_tokens:
+            tokens = tokens or self.all_token_ids
+            start = len(self.block_hashes) * block_size
+            parent = self.block_hashes[-1] if self.block_hashes else ROOT_PARENT
+            self.block_hashes.append(hash_block(parent, tokens[start:start + block_size], self._extra))
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})")

@@ -1,0 +1,135 @@
+"""Per-request sampling settings, validated when built so that a bad value fails before it reaches the engine.
+
+Torch-free on purpose: the HTTP layer builds these to validate a request without loading the engine.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20
+# Below this a temperature counts as 0 (greedy): dividing logits by it would overflow float32.
+GREEDY_TEMPERATURE = 1e-5
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter. `.field` names it, so the HTTP layer can answer 400 about that param."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _fail(field: str, allowed: str, value: object) -> SamplingParamsError:
+    return SamplingParamsError(field, f"{field} must be {allowed}, got {value!r}")
+
+
+def _real(field: str, value: object, allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise _fail(field, f"a number {allowed}", value)
+    return float(value)
+
+
+def _integer(field: str, value: object, allowed: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _fail(field, f"an integer {allowed}", value)
+    return int(value)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick each next token of one request, and when to stop.
+
+    Frozen: change a copy with `dataclasses.replace`, which validates again.
+    """
+
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) = greedy
+    top_p: float = 1.0  # in (0, 1]; 1 = off
+    top_k: int = -1  # -1 or 0 = off
+    min_p: float = 0.0  # in [0, 1]; 0 = off
+    repetition_penalty: float = 1.0  # > 0; 1 = off; over prompt + output tokens
+    presence_penalty: float = 0.0  # in [-2, 2]; over output tokens
+    frequency_penalty: float = 0.0  # in [-2, 2]; over output tokens
+    seed: int | None = None
+    max_tokens: int | None = None  # None = up to the context limit
+    min_tokens: int = 0  # EOS and stop_token_ids are suppressed until this many tokens are out
+    stop: str | Sequence[str] = ()  # normalized to tuple[str, ...]
+    stop_token_ids: Sequence[int] = ()  # normalized to tuple[int, ...]
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives to return besides the sampled token's own logprob
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalized values are written once, here
+        temperature = _real("temperature", self.temperature, ">= 0")
+        if temperature < 0:
+            raise _fail("temperature", ">= 0", self.temperature)
+        set_(self, "temperature", temperature)
+
+        top_p = _real("top_p", self.top_p, "in (0, 1]")
+        if not 0 < top_p <= 1:
+            raise _fail("top_p", "in (0, 1]", self.top_p)
+        set_(self, "top_p", top_p)
+
+        top_k = _integer("top_k", self.top_k, "(-1 or 0 for off, else >= 1)")
+        if top_k < -1:
+            raise _fail("top_k", "-1 or 0 (off) or >= 1", self.top_k)
+        set_(self, "top_k", top_k)
+
+        min_p = _real("min_p", self.min_p, "in [0, 1]")
+        if not 0 <= min_p <= 1:
+            raise _fail("min_p", "in [0, 1]", self.min_p)
+        set_(self, "min_p", min_p)
+
+        repetition = _real("repetition_penalty", self.repetition_penalty, "> 0")
+        if repetition <= 0:
+            raise _fail("repetition_penalty", "> 0", self.repetition_penalty)
+        set_(self, "repetition_penalty", repetition)
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _real(name, getattr(self, name), "in [-2, 2]")
+            if not -2 <= value <= 2:
+                raise _fail(name, "in [-2, 2]", getattr(self, name))
+            set_(self, name, value)
+
+        if self.seed is not None:
+            set_(self, "seed", _integer("seed", self.seed, "or null"))
+
+        if self.max_tokens is not None:
+            max_tokens = _integer("max_tokens", self.max_tokens, ">= 1 (or null)")
+            if max_tokens < 1:
+                raise _fail("max_tokens", ">= 1 (or null)", self.max_tokens)
+            set_(self, "max_tokens", max_tokens)
+
+        min_tokens = _integer("min_tokens", self.min_tokens, ">= 0")
+        if min_tokens < 0:
+            raise _fail("min_tokens", ">= 0", self.min_tokens)
+        if self.max_tokens is not None and min_tokens > self.max_tokens:
+            raise _fail("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        set_(self, "min_tokens", min_tokens)
+
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, Sequence) or not all(isinstance(s, str) and s for s in stop):
+            raise _fail("stop", "a non-empty string or a list of non-empty strings", self.stop)
+        set_(self, "stop", tuple(stop))
+
+        ids = self.stop_token_ids
+        if (isinstance(ids, str) or not isinstance(ids, Sequence)
+                or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0 for i in ids)):
+            raise _fail("stop_token_ids", "a list of integers >= 0", ids)
+        set_(self, "stop_token_ids", tuple(int(i) for i in ids))
+
+        if not isinstance(self.ignore_eos, bool):
+            raise _fail("ignore_eos", "true or false", self.ignore_eos)
+
+        if self.logprobs is not None:
+            logprobs = _integer("logprobs", self.logprobs, f"in [0, {MAX_LOGPROBS}] (or null)")
+            if not 0 <= logprobs <= MAX_LOGPROBS:
+                raise _fail("logprobs", f"in [0, {MAX_LOGPROBS}] (or null)", self.logprobs)
+            set_(self, "logprobs", logprobs)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE

@@ -1,0 +1,143 @@
+"""The scheduler: which requests run in the next step, and how many tokens each.
+
+vLLM v1 style, without separate prefill and decode phases: every request simply has tokens
+whose KV is not computed yet (a prompt, a prompt's remainder, one new token, or one new
+token plus speculative ones). Each step has a token budget. Running requests go first, in
+arrival order — their decode (and speculative) tokens, or the next chunk of a prefill —
+then waiting requests, first come first served, chunked to what is left of the budget.
+When blocks run out, the newest running request is preempted (its blocks freed, to be
+recomputed later); being newest-first and FCFS, the oldest request always progresses.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ember_platform.engine.kv_cache_manager import KVCacheManager
+from ember_platform.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work: requests in batch order with the number of tokens each computes."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    # --- queue management -----------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Finish (or abort) a request and free its blocks at once."""
+        if req.status.finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        req.status = status
+        req.finish_reason = status.value
+        req.spec_token_ids = []
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+
+    # --- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        self.running.sort(key=lambda r: r.arrival)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = req.num_tokens_with_spec - req.num_computed_tokens
+            if num_new > budget and req.spec_token_ids:
+                # Drop speculative tokens that do not fit rather than delaying the request.
+                keep = max(0, len(req.spec_token_ids) - (num_new - budget))
+                req.spec_token_ids = req.spec_token_ids[:keep]
+                num_new = req.num_tokens_with_spec - req.num_computed_tokens
+            num_new = min(num_new, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running[-1]  # newest (the list is in arrival order)
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                batch.requests.append(req)
+                batch.num_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+        if batch.preempted:
+            return batch  # blocks are short: admit nobody new this step
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit_tokens, budget)
+            if not self.kv.allocate_slots(req, num_new, hits):
+                if not self.running and self.kv.blocks_needed(req.num_tokens) > self.kv.num_blocks:
+                    self.waiting.popleft()  # can never fit, even alone: fail it rather than stall
+                    req.status = RequestStatus.WAITING
+                    self.finish(req, RequestStatus.FINISHED_LENGTH)
+                    continue
+                break
+            self.waiting.popleft()
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_hit_tokens
+                self.kv.record_lookup(req.num_tokens, num_hit_tokens)
+            req.num_computed_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.requests.append(req)
+            batch.num_tokens.append(num_new)
+            budget -= num_new
+        return batch
+
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's blocks; it goes back to the front of the queue to be recomputed."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        # Older than anything waiting (it was admitted before them): keep FCFS order.
+        self.waiting.appendleft(req)
