@@ -206,10 +206,11 @@ def write_package_files(root: Path) -> None:
 
 def check_package(root: Path) -> str:
     """Load what was written the way users will, and return the package digest."""
+    from transformers import AutoTokenizer
+
     from ember.manifest import load_manifest
     from ember.package import lock_package
     from ember.package.build import check_weights
-    from transformers import AutoTokenizer
 
     weights = root / "weights"
     tokenizer = AutoTokenizer.from_pretrained(weights)

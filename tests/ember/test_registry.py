@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from ember.errors import PackageError, RegistryError
 from ember.package import LOCK_NAME, Lock, LockedFile, build_package, hash_file, verify_package
 from ember.package.lock import package_digest
@@ -104,7 +105,6 @@ def test_new_version_changing_hooks_uploads_only_hooks_and_manifest(store, make_
     assert result.already_present == len(first.blobs()) - 2
     assert set(store.list_keys()) == (blob_keys(first) | blob_keys(result.lock)
                                  | {index_key("tiny", "0.1.0"), index_key("tiny", "0.2.0")})
-    assert "2 blobs uploaded" in result.summary() and "already in the registry" in result.summary()
 
 
 def test_forced_push_changing_only_hooks_uploads_exactly_one_blob(store, make_package):
@@ -117,8 +117,6 @@ def test_forced_push_changing_only_hooks_uploads_exactly_one_blob(store, make_pa
     assert result.uploaded == {hooks.sha256: hooks.size}
     assert result.already_present == len(first.blobs()) - 1
     assert sum(k.startswith("blobs/") for k in store.list_keys()) == len(first.blobs()) + 1
-    assert result.summary().startswith(f"pushed tiny:0.1.0 (sha256:{result.lock.digest[7:19]})")
-    assert "1 blob uploaded (" in result.summary()
 
 
 def test_versions_are_immutable(store, make_package):
@@ -126,7 +124,6 @@ def test_versions_are_immutable(store, make_package):
     push_package(src, store.registry)
     again = push_package(src, store.registry)
     assert again.already_pushed and again.uploaded == {}
-    assert "already pushed" in again.summary()
 
     (src / "hooks.py").write_text("changed = True\n")
     before = store.list_keys()

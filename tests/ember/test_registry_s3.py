@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from ember.errors import RegistryError
 from ember.package import verify_package
 from ember.registry import BlobCache, LocalRegistry, blob_key, open_registry, pull_package, push_package

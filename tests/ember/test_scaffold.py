@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from ember.errors import ManifestError, PackageError
 from ember.manifest import Manifest, load_manifest, parse_manifest
 from ember.package import build_package, scaffold, verify_package
@@ -235,6 +236,16 @@ def test_empty_target_directory_is_used(tmp_path: Path) -> None:
     (tmp_path / "pkg").mkdir()
     pkg = init_package(tmp_path / "pkg", fake_checkpoint(tmp_path / "hf"))
     assert (pkg / "ember.toml").is_file()
+
+
+def test_current_directory_as_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hf = fake_checkpoint(tmp_path / "hf")
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    init_package(Path("."), hf, name="here")
+    assert sorted(p.name for p in (tmp_path / "here").iterdir()) == ["ember.toml", "weights"]
+    assert leftovers(tmp_path) == []
+    build_package(tmp_path / "here")
 
 
 def test_missing_parent_directories_are_created(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
 from ember.manifest import load_manifest
 from ember.package import build_package, verify_package
 

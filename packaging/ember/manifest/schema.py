@@ -58,8 +58,8 @@ class ModelSection(Section):
     version: str = Field(description="Package version, e.g. \"1.0.0\". Versions are immutable in a registry.")
     weights: str = Field("weights", description="Directory (relative to the package) with the Hugging Face "
                          "checkpoint: config.json, *.safetensors, tokenizer files.")
-    description: str = ""
-    license: str | None = None
+    description: str = Field("", description="One line about the model, shown by `ember ls` and /info.")
+    license: str | None = Field(None, description="The weights' license, e.g. \"apache-2.0\".")
 
     @field_validator("name")
     @classmethod
@@ -103,7 +103,7 @@ class RuntimeSection(Section):
     memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Fraction of device memory the engine may use when kv_cache_memory_gb "
         "is not set.")
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV of prompt prefixes seen before.")
     accelerator: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Device to run on; \"auto\" uses a GPU when one is present.")
     seed: int = Field(0, description="Seed for requests that give none.")
@@ -140,7 +140,7 @@ class SpeculatorSection(Section):
     max_batch_size: int = Field(8, ge=1, description="Speculation is off while more sequences than this run.")
     model: str | None = Field(None, description="Directory (relative to the package) of a draft model, "
                               "Medusa heads or EAGLE head, for speculators that need one.")
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict, description="Passed to the speculator.")
 
     @field_validator("num_speculative_tokens")
     @classmethod
@@ -181,14 +181,14 @@ class KernelsSection(Section):
     """[kernels]: which attention backend runs the paged attention."""
 
     attention: str = Field(AUTO, description="An attention-backend plugin's name (e.g. \"torch\") or \"auto\".")
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict, description="Passed to the attention backend.")
 
 
 class ScalingSection(Section):
     """[scaling]: replicas and the autoscaler."""
 
     min_replicas: int = Field(1, ge=0, description="0 lets the deployment scale to zero when idle.")
-    max_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(1, ge=1, description="Most replicas the autoscaler may run.")
     target_concurrency: int = Field(32, ge=1, description="In-flight requests per replica the autoscaler "
                                     "aims for.")
     scale_down_delay: float = Field(900.0, description="Idle time before a replica is removed: seconds or "
@@ -241,8 +241,8 @@ class ServingSection(Section):
 
     disaggregated: bool = Field(False, description="Run prefill and decode on separate replicas joined by "
                                 "the KV block transfer.")
-    prefill_replicas: int = Field(1, ge=1)
-    decode_replicas: int = Field(1, ge=1)
+    prefill_replicas: int = Field(1, ge=1, description="Prefill replicas when disaggregated.")
+    decode_replicas: int = Field(1, ge=1, description="Decode replicas when disaggregated.")
     request_timeout: float = Field(600.0, description="Longest a request may run: seconds or \"10m\".")
     max_queue: int = Field(256, ge=0, description="Requests that may wait for a replica before 429s.")
 

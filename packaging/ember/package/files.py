@@ -33,7 +33,7 @@ def is_ignored(rel: Path) -> bool:
 def refuse_pickle(rel: str, root: Path | None = None) -> None:
     if rel.lower().endswith(PICKLE_SUFFIXES):
         where = f"{root}/{rel}" if root else rel
-        hint = CONVERT_HINT.replace("DIR", str(Path(rel).parent))
+        hint = CONVERT_HINT.replace("DIR", str((root or Path()) / Path(rel).parent))
         raise PackageError(f"{where}: is a pickle checkpoint. {hint}")
 
 

@@ -51,7 +51,8 @@ def init_package(target: Path, hf_dir: Path, *, name: str | None = None, version
     beside `target` and renamed into place at the end, so a failure leaves nothing at `target`.
     Returns `target`.
     """
-    target, hf_dir = Path(target), Path(hf_dir).resolve()
+    # absolute(): `ember init .` needs a real name and parent for the temporary directory.
+    target, hf_dir = Path(target).absolute(), Path(hf_dir).resolve()
     _check_target(target)
     config = _read_config(hf_dir)
     sources = checkpoint_files(hf_dir)
@@ -77,8 +78,12 @@ def init_package(target: Path, hf_dir: Path, *, name: str | None = None, version
         (tmp / MANIFEST_NAME).write_text(render_manifest(values, source=hf_dir), encoding="utf-8")
         load_manifest(tmp)  # the rendered file must round-trip; a failure here is a bug in this module
         if target.exists():
-            target.rmdir()  # empty, checked above; rename over a directory is not portable
-        tmp.rename(target)
+            # An empty directory the user made (perhaps their working directory): keep it, fill it.
+            for child in sorted(tmp.iterdir()):
+                child.rename(target / child.name)
+            tmp.rmdir()
+        else:
+            tmp.rename(target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

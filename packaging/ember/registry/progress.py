@@ -68,7 +68,7 @@ class TransferProgress:
             if self._closed:
                 return
             self._progress = Progress(
-                TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
                 TimeRemainingColumn(), console=self._console, transient=True,
             )
             self._task = self._progress.add_task(self.description, total=self.total_bytes,

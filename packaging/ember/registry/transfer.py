@@ -5,14 +5,12 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import tempfile
+import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
-
-from rich.filesize import decimal as format_size
+from typing import TypeVar
 
 from ember.errors import PackageError, RegistryError
 from ember.package.build import build_package
@@ -23,19 +21,12 @@ from ember.registry.cache import BlobCache
 from ember.registry.progress import TransferProgress
 from ember.registry.reference import parse_reference, sort_versions
 
-if TYPE_CHECKING:
-    from ember.plugins import PluginHost
-
 T = TypeVar("T")
 R = TypeVar("R")
 
 # A hardlink cannot cross filesystems (EXDEV) and may be refused (EPERM under
 # fs.protected_hardlinks, EMLINK at the link limit, ENOTSUP on some filesystems): copy instead.
 _LINK_FALLBACK = frozenset({errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EACCES})
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,14 +41,6 @@ class PushResult:
     def uploaded_bytes(self) -> int:
         return sum(self.uploaded.values())
 
-    def summary(self) -> str:
-        ref, digest = self.lock.reference, short_digest(self.lock.digest)
-        if self.already_pushed:
-            return f"{ref} ({digest}) already pushed to {self.registry_url}; nothing to upload"
-        return (f"pushed {ref} ({digest}) to {self.registry_url}: "
-                f"{_plural(len(self.uploaded), 'blob')} uploaded ({format_size(self.uploaded_bytes)}), "
-                f"{self.already_present} already in the registry")
-
 
 @dataclass(frozen=True, slots=True)
 class PullResult:
@@ -66,10 +49,9 @@ class PullResult:
     downloaded: dict[str, int]  # blob hex digest -> size, for the blobs fetched from the registry
     from_cache: int
 
-    def summary(self) -> str:
-        return (f"pulled {self.lock.reference} ({short_digest(self.lock.digest)}) to {self.dest}: "
-                f"{_plural(len(self.downloaded), 'blob')} downloaded "
-                f"({format_size(sum(self.downloaded.values()))}), {self.from_cache} from the cache")
+    @property
+    def downloaded_bytes(self) -> int:
+        return sum(self.downloaded.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +67,10 @@ class PackageInfo:
 def push_package(root: str | Path, registry: Registry, *, force: bool = False) -> PushResult:
     """Build `root` (validating it and writing ember.lock), upload the blobs the registry lacks,
     then publish the index. Versions are immutable unless `force`."""
+    from ember.plugins import PluginHost  # loads every installed plugin: only when pushing
+
     root = Path(root)
-    lock = build_package(root, _plugin_host(root))
+    lock = build_package(root, PluginHost.for_package(root))
     existing = registry.read_index(lock.name, lock.version)
     if existing is not None:
         try:
@@ -120,18 +104,18 @@ def push_package(root: str | Path, registry: Registry, *, force: bool = False) -
 def resolve(registry: Registry, reference: str) -> Lock:
     """The lock of NAME[:VERSION] (the latest version when none is given), checked for safety."""
     name, version = parse_reference(reference)
-    versions = sort_versions(registry.list_versions(name)) if version is None else None
-    if version is None:
-        if not versions:
-            raise RegistryError(f"{registry.url}: no package named {name!r}{_available_names(registry)}")
-        version = versions[-1]
-    raw = registry.read_index(name, version)
+    raw = registry.read_index(name, version) if version is not None else None
     if raw is None:
         versions = sort_versions(registry.list_versions(name))
         if not versions:
             raise RegistryError(f"{registry.url}: no package named {name!r}{_available_names(registry)}")
-        raise RegistryError(f"{registry.url}: {name} has no version {version!r} "
-                            f"(available: {', '.join(versions)})")
+        if version is not None:
+            raise RegistryError(f"{registry.url}: {name} has no version {version!r} "
+                                f"(available: {', '.join(versions)})")
+        version = versions[-1]
+        raw = registry.read_index(name, version)
+        if raw is None:
+            raise RegistryError(f"{registry.where(index_key(name, version))}: vanished while being read")
     where = registry.where(index_key(name, version))
     lock = Lock.from_json(raw, source=where)  # refuses unsafe or duplicate paths, a wrong digest
     if (lock.name, lock.version) != (name, version):
@@ -158,7 +142,9 @@ def pull_package(reference: str, registry: Registry, dest: str | Path,
                   registry.parallelism)
 
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.ember-pull-", dir=dest.parent))
+    # Not mkdtemp: its 0700 mode would become the package's; mkdir honours the umask.
+    tmp = dest.parent / f".{dest.name}.ember-pull-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
     try:
         _materialize(lock, cache, tmp)
         try:
@@ -169,7 +155,7 @@ def pull_package(reference: str, registry: Registry, dest: str | Path,
             damaged = cache.evict_damaged(blobs)
             if not damaged:
                 raise
-            raise PackageError(f"{cache.root}: {_plural(len(damaged), 'cached blob')} had been modified "
+            raise PackageError(f"{cache.root}: {len(damaged)} cached blob(s) had been modified "
                                f"(sha256:{damaged[0][:12]}…) and were removed; pull again") from None
         _check_destination(dest)
         try:
@@ -200,17 +186,6 @@ def list_packages(registry: Registry) -> list[PackageInfo]:
             return PackageInfo(name, version, None, str(e))
 
     return _parallel(describe, pairs, registry.parallelism)
-
-
-def _plugin_host(root: Path) -> PluginHost | None:
-    """The plugins this package would be served with, so build checks its technique names."""
-    try:
-        from ember.plugins import PluginHost
-    except ModuleNotFoundError as e:
-        if e.name != "ember.plugins":
-            raise  # a plugin module that is present but broken must say so
-        return None  # ember.plugins not installed yet: build checks everything but technique names
-    return PluginHost.for_package(root)
 
 
 def _available_names(registry: Registry) -> str:
@@ -251,9 +226,9 @@ def _parallel(fn: Callable[[T], R], items: Iterable[T], workers: int) -> list[R]
     with ThreadPoolExecutor(max_workers=min(workers, len(items))) as pool:
         futures = [pool.submit(fn, item) for item in items]
         wait(futures, return_when=FIRST_EXCEPTION)
-        failed = next((f for f in futures if f.done() and f.exception() is not None), None)
-        if failed is not None:
+        error = next((e for f in futures if f.done() and (e := f.exception()) is not None), None)
+        if error is not None:
             for future in futures:
                 future.cancel()
-            raise failed.exception()  # type: ignore[misc]
+            raise error
         return [f.result() for f in futures]

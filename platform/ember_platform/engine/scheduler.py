@@ -11,6 +11,7 @@ recomputed later); being newest-first and FCFS, the oldest request always progre
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -69,10 +70,8 @@ class Scheduler:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         else:
-            try:
+            with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
-            except ValueError:
-                pass
         req.status = status
         req.finish_reason = status.value
         req.spec_token_ids = []

@@ -40,7 +40,7 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates call it with
+def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
