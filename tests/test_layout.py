@@ -29,3 +29,10 @@ def test_base_package_imports_without_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_loading_every_plugin_imports_no_torch() -> None:
+    # pluggy imports every entry-point module at start: they must stay light (STYLE.md).
+    code = "import sys; from ember.plugins import PluginHost; PluginHost().techniques; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

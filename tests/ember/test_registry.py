@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -81,6 +83,23 @@ def test_pulled_files_are_hardlinks_of_read_only_cache_blobs(make_package, tmp_p
     assert os.stat(cached).st_ino == os.stat(deploy / "out" / entry.path).st_ino
 
 
+SHM = Path("/dev/shm")
+
+
+@pytest.mark.skipif(not SHM.is_dir() or not os.access(SHM, os.W_OK), reason="needs a second filesystem")
+def test_pull_copies_when_the_cache_is_on_another_filesystem(make_package, tmp_path, deploy):
+    cache_root = Path(tempfile.mkdtemp(prefix="ember-test-cache-", dir=SHM))
+    try:
+        if os.stat(cache_root).st_dev == os.stat(deploy).st_dev:
+            pytest.skip("/dev/shm is on the same filesystem as the test directory")
+        registry = LocalRegistry(tmp_path / "registry")
+        lock = push_package(make_package(), registry).lock
+        pull_package("tiny", registry, deploy / "out", BlobCache(cache_root))
+        assert verify_package(deploy / "out") == lock
+    finally:
+        shutil.rmtree(cache_root)
+
+
 def test_second_pull_comes_from_the_cache(store, make_package, deploy, cache):
     lock = push_package(make_package(), store.registry).lock
     pull_package("tiny:0.1.0", store.registry, deploy / "a", cache)
@@ -105,6 +124,21 @@ def test_new_version_changing_hooks_uploads_only_hooks_and_manifest(store, make_
     assert result.already_present == len(first.blobs()) - 2
     assert set(store.list_keys()) == (blob_keys(first) | blob_keys(result.lock)
                                  | {index_key("tiny", "0.1.0"), index_key("tiny", "0.2.0")})
+
+
+def test_second_version_changing_only_hooks_uploads_one_blob_and_the_lock(store, make_package):
+    src = make_package()
+    (src / "hooks.py").write_text("A = 1\n")
+    first = push_package(src, store.registry).lock
+    (src / "hooks.py").write_text("A = 2\n")
+    result = push_package(src, store.registry, version="0.2.0")
+    hooks = next(f for f in result.lock.files if f.path == "hooks.py")
+    assert result.lock.reference == "tiny:0.2.0"
+    assert result.uploaded == {hooks.sha256: hooks.size}
+    assert set(store.list_keys()) == (blob_keys(first) | {f"blobs/sha256/{hooks.sha256}"}
+                                      | {index_key("tiny", "0.1.0"), index_key("tiny", "0.2.0")})
+    with pytest.raises(RegistryError, match=r"--version: .*not a valid version"):
+        push_package(src, store.registry, version="bad version!")
 
 
 def test_forced_push_changing_only_hooks_uploads_exactly_one_blob(store, make_package):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ember.errors import RegistryError
-from ember.package import verify_package
+from ember.package import hash_file, verify_package
 from ember.registry import BlobCache, LocalRegistry, blob_key, open_registry, pull_package, push_package
 from ember.registry.s3 import S3Registry
 
@@ -103,6 +103,10 @@ def test_missing_bucket_says_so(s3_endpoint, make_package, tmp_path):
         push_package(make_package(), registry)
     with pytest.raises(RegistryError, match=r"bucket 'no-such-bucket' does not exist"):
         registry.list_names()
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"x")  # boto3's transfer manager wraps this one in S3UploadFailedError
+    with pytest.raises(RegistryError, match=r"bucket 'no-such-bucket' does not exist"):
+        registry.put_blob(hash_file(blob)[1], blob)
     with pytest.raises(RegistryError, match=r"bucket 'no-such-bucket' does not exist"):
         pull_package("tiny:0.1.0", registry, tmp_path / "out", BlobCache(tmp_path / "c"))
 

@@ -15,7 +15,7 @@ REGISTRY_HELP = "a directory or s3://BUCKET/PREFIX (default: $EMBER_REGISTRY, el
 ENDPOINT_HELP = "S3 endpoint for MinIO, R2 and the like (default: $AWS_ENDPOINT_URL, else AWS)"
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("push", help="build a package and upload it to a registry",
                        description="Build DIR (validate it and write ember.lock), upload the blobs the "
                        "registry does not have yet, then publish NAME:VERSION. Versions are immutable.")
@@ -23,6 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     _registry_options(p)
     p.add_argument("--force", action="store_true",
                    help="replace NAME:VERSION even if the registry holds different content for it")
+    p.add_argument("--version", dest="as_version", metavar="VERSION",
+                   help="publish as this version instead of [model] version (the files, and so the package "
+                   "digest, are unchanged: only what differs from earlier versions is uploaded)")
     p.set_defaults(func=cmd_push)
 
     p = sub.add_parser("pull", help="download a package from a registry",
@@ -72,7 +75,8 @@ def pull_summary(result: PullResult) -> str:
 def cmd_push(args: argparse.Namespace) -> int:
     from ember.registry import open_registry, push_package
 
-    result = push_package(args.dir, open_registry(args.registry, args.endpoint_url), force=args.force)
+    result = push_package(args.dir, open_registry(args.registry, args.endpoint_url), force=args.force,
+                          version=args.as_version)
     console.print(push_summary(result), markup=False)
     return 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import boto3
 from boto3.s3.transfer import TransferConfig
@@ -135,7 +136,7 @@ class S3Registry(Registry):
                 for page in self._list(base, delimiter="/") for obj in page.get("Contents", [])
                 if obj["Key"].endswith(".json")]
 
-    def _list(self, prefix: str, delimiter: str) -> list[dict]:
+    def _list(self, prefix: str, delimiter: str) -> list[Any]:
         with self._errors("listing", prefix.removeprefix(self.prefix)):
             paginator = self._client.get_paginator("list_objects_v2")
             return list(paginator.paginate(Bucket=self.bucket, Prefix=prefix, Delimiter=delimiter))

@@ -64,13 +64,29 @@ class PackageInfo:
     problem: str | None = None
 
 
-def push_package(root: str | Path, registry: Registry, *, force: bool = False) -> PushResult:
+def push_package(root: str | Path, registry: Registry, *, force: bool = False,
+                 version: str | None = None) -> PushResult:
     """Build `root` (validating it and writing ember.lock), upload the blobs the registry lacks,
-    then publish the index. Versions are immutable unless `force`."""
+    then publish the index. Versions are immutable unless `force`.
+
+    `version` publishes under another version than [model] version, like tagging an image: a
+    version is registry metadata (the package digest covers files only), so releasing an edit of
+    hooks.py as a new version uploads that one file and the index.
+    """
+    from pydantic import ValidationError
+
+    from ember.manifest.schema import ModelSection
     from ember.plugins import PluginHost  # loads every installed plugin: only when pushing
 
     root = Path(root)
     lock = build_package(root, PluginHost.for_package(root))
+    if version is not None and version != lock.version:
+        try:
+            ModelSection.model_validate({"name": lock.name, "version": version, "weights": "."})
+        except ValidationError as e:
+            message = e.errors()[0]["msg"].removeprefix("Value error, ")
+            raise RegistryError(f"--version: {message}") from None
+        lock = Lock(lock.name, version, lock.files)
     existing = registry.read_index(lock.name, lock.version)
     if existing is not None:
         try:
@@ -104,18 +120,15 @@ def push_package(root: str | Path, registry: Registry, *, force: bool = False) -
 def resolve(registry: Registry, reference: str) -> Lock:
     """The lock of NAME[:VERSION] (the latest version when none is given), checked for safety."""
     name, version = parse_reference(reference)
-    raw = registry.read_index(name, version) if version is not None else None
+    if version is None:
+        version = _latest_version(registry, name)
+    raw = registry.read_index(name, version)
     if raw is None:
         versions = sort_versions(registry.list_versions(name))
         if not versions:
             raise RegistryError(f"{registry.url}: no package named {name!r}{_available_names(registry)}")
-        if version is not None:
-            raise RegistryError(f"{registry.url}: {name} has no version {version!r} "
-                                f"(available: {', '.join(versions)})")
-        version = versions[-1]
-        raw = registry.read_index(name, version)
-        if raw is None:
-            raise RegistryError(f"{registry.where(index_key(name, version))}: vanished while being read")
+        raise RegistryError(f"{registry.url}: {name} has no version {version!r} "
+                            f"(available: {', '.join(versions)})")
     where = registry.where(index_key(name, version))
     lock = Lock.from_json(raw, source=where)  # refuses unsafe or duplicate paths, a wrong digest
     if (lock.name, lock.version) != (name, version):
@@ -186,6 +199,13 @@ def list_packages(registry: Registry) -> list[PackageInfo]:
             return PackageInfo(name, version, None, str(e))
 
     return _parallel(describe, pairs, registry.parallelism)
+
+
+def _latest_version(registry: Registry, name: str) -> str:
+    versions = sort_versions(registry.list_versions(name))
+    if not versions:
+        raise RegistryError(f"{registry.url}: no package named {name!r}{_available_names(registry)}")
+    return versions[-1]
 
 
 def _available_names(registry: Registry) -> str:

@@ -1,1 +1,1 @@
-"""The engine that runs inside every replica: continuous batching over a paged KV cache."""
+"""The serving engine: scheduler, paged KV cache, model runner, attention API and model code."""

@@ -78,7 +78,11 @@ def _load_chat_templates(directory: Path, config: Mapping[str, Any]) -> ChatTemp
 
 
 class Tokenizer:
-    """Encode, decode and chat-format text for one model."""
+    """Encode, decode and chat-format text for one model.
+
+    Usually built with `from_dir`; the constructor takes ownership of `backend` and adjusts it (special tokens,
+    post-processor) the way transformers does when it loads the same files.
+    """
 
     def __init__(self, backend: tokenizers.Tokenizer, *, special_tokens: Mapping[str, str] | None = None,
                  extra_special_tokens: Sequence[str] = (), add_bos_token: bool | None = None,
@@ -96,9 +100,10 @@ class Tokenizer:
         if named:
             backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in dict.fromkeys(named)])
 
-        # Llama-style configs say whether encode() adds BOS/EOS; as in transformers, an explicit flag (or a
-        # tokenizer.json without a post-processor) rebuilds the post-processor, otherwise tokenizer.json's stands.
-        if add_bos_token is not None or add_eos_token is not None or backend.post_processor is None:
+        # What encode() adds is tokenizer.json's post-processor (Llama's adds BOS), as in transformers 5, which
+        # ignores the config's `add_bos_token` then. A tokenizer.json without one gets the flags' BOS/EOS, as
+        # transformers 4's Llama tokenizer did: a model trained with BOS degrades badly without it.
+        if backend.post_processor is None and (add_bos_token or add_eos_token):
             self._set_post_processor(bool(add_bos_token), bool(add_eos_token))
 
         self.bos_token_id = self._special_id("bos_token")
@@ -185,31 +190,37 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def get_chat_template(self, name: str | None = None, *, tools: Sequence[Any] | None = None) -> str:
-        """The template to render: a named one, else `tool_use` when tools are given and it exists, else default."""
+    def get_chat_template(self, chat_template: str | None = None, *, tools: Sequence[Any] | None = None) -> str:
+        """The template to render, chosen as transformers chooses it.
+
+        `chat_template` names one of the model's templates, or else is a template itself; without it: the
+        `tool_use` template when tools are given and it exists, else `default`, else the model's only one.
+        """
         templates = self.chat_template
+        if isinstance(templates, dict):
+            if chat_template is not None:
+                return templates.get(chat_template, chat_template)
+            if tools is not None and "tool_use" in templates:
+                return templates["tool_use"]
+            if "default" in templates:
+                return templates["default"]
+            raise ChatTemplateError(f"{self.name} has several chat templates and none named 'default': "
+                                    f"choose one of {sorted(templates)}")
+        if chat_template is not None:
+            return chat_template
         if templates is None:
             raise ChatTemplateError(
                 f"{self.name} has no chat template (no 'chat_template' in tokenizer_config.json and no "
                 f"chat_template.jinja): use the completions API, or add a template to the model")
-        if isinstance(templates, str):
-            return templates
-        if name is not None:
-            if name not in templates:
-                raise ChatTemplateError(f"{self.name} has no chat template named {name!r}; "
-                                        f"it has {sorted(templates)}")
-            return templates[name]
-        if tools is not None and "tool_use" in templates:
-            return templates["tool_use"]
-        if "default" in templates:
-            return templates["default"]
-        raise ChatTemplateError(f"{self.name} has several chat templates and none named 'default': "
-                                f"choose one of {sorted(templates)}")
+        return templates
 
     def apply_chat_template(self, messages: Sequence[Any], *, add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None, chat_template: str | None = None,
                             **extra: Any) -> str:
-        """Render messages to prompt text; `extra` variables reach the template and override special tokens."""
+        """Render messages to prompt text; `extra` variables reach the template and override special tokens.
+
+        `chat_template` is a template name or a template (see `get_chat_template`).
+        """
         template = self.get_chat_template(chat_template, tools=tools)
         variables = {**self.special_tokens, **extra}
         return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt, tools=tools,
