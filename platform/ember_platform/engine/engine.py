@@ -1,0 +1,354 @@
+"""LLMEngine: one replica's engine — load a package, then `add_request` / `step` / `abort`.
+
+Each `step()` schedules a batch, runs the model once over it, samples (verifying speculative
+drafts where there are any), appends tokens, checks stop conditions, detokenizes, and returns
+one `RequestOutput` per request that made progress. `LLM` (batch scripts) and `AsyncEngine`
+(serving) are thin loops around it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ember.plugins import PluginHost
+from ember.selection import SelectionReport
+from ember_platform.engine.config import ModelSource, read_hf_config, resolve_source
+from ember_platform.engine.kv_cache_manager import KVCacheManager
+from ember_platform.engine.model_runner import ForwardResult, ModelRunner, allocate_kv_caches, kv_bytes_per_block
+from ember_platform.engine.models import build_model
+from ember_platform.engine.models.loader import load_weights
+from ember_platform.engine.outputs import RequestOutput, Usage
+from ember_platform.engine.request import Request, RequestStatus
+from ember_platform.engine.sampler import Sampler, SamplingBatch, TokenLogprobs, make_generator
+from ember_platform.engine.sampling_params import SamplingParams
+from ember_platform.engine.scheduler import Scheduler
+from ember_platform.engine.speculation import Speculator, SpeculatorContext, verify_greedy, verify_rejection
+from ember_platform.engine.text.detokenizer import IncrementalDetokenizer
+from ember_platform.engine.text.stop import StopStringMatcher
+from ember_platform.engine.text.tokenizer import Tokenizer
+
+log = logging.getLogger("ember.engine")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_KV_CACHE_DEFAULT_GB = 4.0  # like vLLM's CPU backend: a fixed budget, since host RAM is shared
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """Output-side state of one request: detokenizer, stop strings, its random generator."""
+
+    detokenizer: IncrementalDetokenizer
+    stop: StopStringMatcher | None
+    generator: torch.Generator | None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class LLMEngine:
+    """Loads a package (or a Hugging Face checkpoint dir) and generates for many requests at once."""
+
+    def __init__(self, path: str | Path, **overrides: Any) -> None:
+        t0 = time.perf_counter()
+        self.timings: dict[str, float] = {}
+        source, engine_only = resolve_source(path, overrides)
+        self.source: ModelSource = source
+        self.manifest = manifest = source.manifest
+        self.plugins = PluginHost.for_package(source.root) if source.is_package else PluginHost()
+        self.plugins.check_manifest(manifest, source=str(source.root / "ember.toml"))
+        self.hardware = self.plugins.hardware(manifest)
+        self.selections: dict[str, SelectionReport] = self.plugins.select_all(manifest, self.hardware)
+        self.device = torch.device("cuda" if self.hardware.is_cuda else "cpu")
+        self.hf_config = read_hf_config(source.weights_dir)
+        self.dtype = resolve_dtype(manifest.runtime.dtype, self.hf_config, self.device)
+
+        attention = self._technique("attention")
+        self.model = build_model(self.hf_config, attention, self.dtype, self.device)
+        load_weights(self.model, source.weights_dir)
+        self.timings["load"] = time.perf_counter() - t0
+        quant = self.selections["quantization"]
+        if quant.name != "none":
+            t1 = time.perf_counter()
+            quantizer = self._technique("quantization")(quant.options)
+            self.model = quantizer.quantize(self.model)
+            self.timings["quantize"] = time.perf_counter() - t1
+        self.model.eval()
+        self.plugins.model_loaded(manifest, self.model, self.hardware)
+
+        self.tokenizer = Tokenizer.from_dir(source.weights_dir)
+        self.vocab_size = int(self.hf_config["vocab_size"])
+        rt = manifest.runtime
+        self.max_model_len = rt.max_model_len or int(self.hf_config.get("max_position_embeddings", 2048))
+        self.block_size = rt.kv_block_size
+        num_blocks = engine_only.get("num_kv_blocks") or self._num_kv_blocks()
+        num_layers, kv_heads, head_dim = kv_cache_shape(self.hf_config)
+        caches = allocate_kv_caches(num_layers, num_blocks, self.block_size, kv_heads, head_dim, self.dtype,
+                                    self.device)
+        self.kv = KVCacheManager(num_blocks, self.block_size, rt.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=rt.max_num_seqs,
+                                   max_num_batched_tokens=max(rt.max_num_batched_tokens, rt.max_num_seqs),
+                                   max_model_len=self.max_model_len)
+        self.runner = ModelRunner(self.model, caches, self.block_size, self.device)
+        self.sampler = Sampler(seed=rt.seed)
+        self.speculator = self._make_speculator()
+        self._states: dict[str, _RequestState] = {}
+        self._arrivals = itertools.count()
+        self.num_generated_tokens = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.timings["init"] = time.perf_counter() - t0
+        log.info("engine ready: %s on %s, %d KV blocks of %d tokens, selections %s", manifest.reference,
+                 self.hardware.describe(), num_blocks, self.block_size,
+                 {k: v.name for k, v in self.selections.items()})
+
+    # --- setup ------------------------------------------------------------------------------
+
+    def _technique(self, kind: str) -> Any:
+        name = self.selections[kind].name
+        technique = self.plugins.techniques.get(kind, name)
+        if technique is None:
+            raise RuntimeError(f"{kind} '{name}' is selected but no installed plugin provides it")
+        return technique.load()
+
+    def _num_kv_blocks(self) -> int:
+        rt = self.manifest.runtime
+        num_layers, kv_heads, head_dim = kv_cache_shape(self.hf_config)
+        per_block = kv_bytes_per_block(num_layers, self.block_size, kv_heads, head_dim, self.dtype)
+        if rt.kv_cache_memory_gb is not None:
+            budget = rt.kv_cache_memory_gb * 2**30
+        elif self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            budget = free * rt.memory_utilization
+        else:
+            budget = min(CPU_KV_CACHE_DEFAULT_GB * 2**30, self.hardware.host_memory_bytes * 0.25)
+        # More than every sequence at full length is never needed.
+        ceiling = rt.max_num_seqs * (-(-self.max_model_len // self.block_size) + 1)
+        return max(1, min(int(budget // per_block), ceiling))
+
+    def _make_speculator(self) -> Speculator | None:
+        spec = self.selections["speculator"]
+        if spec.name == "none":
+            return None
+        cls = self._technique("speculator")
+        model_dir = self.source.root / self.manifest.speculator.model if self.manifest.speculator.model else None
+        context = SpeculatorContext(self.manifest.speculator.num_speculative_tokens, self.vocab_size, self.device,
+                                    self.dtype, model_dir, self.hf_config)
+        return cls(spec.options, context)
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                    lora_name: str | None = None, cache_salt: str | None = None) -> Request:
+        params = params or SamplingParams()
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt: must contain at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens, but the model's context is {self.max_model_len} tokens "
+                             "(prompt plus at least one generated token)")
+        if max(ids) >= self.vocab_size or min(ids) < 0:
+            raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size})")
+        req = Request(request_id, ids, params, next(self._arrivals), lora_name=lora_name, cache_salt=cache_salt)
+        stop = StopStringMatcher(params.stop) if params.stop else None
+        self._states[request_id] = _RequestState(IncrementalDetokenizer(self.tokenizer, ids), stop,
+                                                 make_generator(params.seed, self.device))
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request (its client went away); its KV blocks are freed at once."""
+        req = self.scheduler.requests.get(request_id)
+        self._states.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        if self.speculator:
+            self.speculator.release(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        waiting_before = list(self.scheduler.waiting)
+        batch = self.scheduler.schedule()
+        for req in waiting_before:  # requests the scheduler refused for good (too long for the pool)
+            if req.status.finished and req.request_id in self._states:
+                outputs.append(self._finish_output(req, []))
+        if not batch.requests:
+            return outputs
+        result = self.runner.execute(batch)
+        sampled_tokens = self._sample(result)
+        for req, n in zip(batch.requests, batch.num_tokens, strict=True):
+            req.num_computed_tokens += n
+        for req, new_tokens in zip(result.sampled, sampled_tokens, strict=True):
+            out = self._append(req, new_tokens)
+            if out is not None:
+                outputs.append(out)
+        for req in batch.requests:
+            if not req.status.finished:
+                self.kv.cache_blocks(req)
+        self._propose()
+        return outputs
+
+    def _sample(self, result: ForwardResult) -> list[list[int]]:
+        if not result.sampled:
+            return []
+        reqs = result.sampled
+        drafts = [list(r.spec_token_ids) for r in reqs]
+        states = [self._states[r.request_id] for r in reqs]
+        params = [r.params for r in reqs]
+        needs_history = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params)
+        suppressed = [self._suppressed(r) for r in reqs]
+        batch = SamplingBatch.build(
+            params, vocab_size=result.logits.shape[-1], device=self.device,
+            generators=[s.generator for s in states],
+            prompt_ids=[r.prompt_token_ids for r in reqs] if needs_history else None,
+            output_ids=[r.output_token_ids for r in reqs] if needs_history else None,
+            suppressed_ids=suppressed if any(suppressed) else None,
+            draft_ids=drafts if any(drafts) else None,
+        )
+        out = self.sampler.sample(result.logits, batch)
+        token_rows = out.token_ids.tolist()
+        logprob_rows = out.token_logprobs() if batch.any_logprobs else None
+        probs = None
+        results: list[list[int]] = []
+        row = 0
+        for i, req in enumerate(reqs):
+            n = result.num_rows[i]
+            if not drafts[i]:
+                results.append([token_rows[row]])
+                if logprob_rows is not None and logprob_rows[row] is not None:
+                    states[i].logprobs.append(logprob_rows[row])
+            elif req.params.greedy:
+                results.append(verify_greedy(token_rows[row:row + n], drafts[i]))
+            else:
+                if probs is None:
+                    probs = self.sampler.probs(result.logits, batch)
+                results.append(verify_rejection(probs[row:row + n], drafts[i], None, states[i].generator))
+            if drafts[i]:
+                self.num_draft_tokens += len(drafts[i])
+                self.num_accepted_tokens += len(results[-1]) - 1
+            row += n
+        return results
+
+    def _suppressed(self, req: Request) -> set[int]:
+        p = req.params
+        if len(req.output_token_ids) >= p.min_tokens:
+            return set()
+        return set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.tokenizer.eos_token_ids))
+
+    def _append(self, req: Request, new_tokens: list[int]) -> RequestOutput | None:
+        # Drafts the target rejected were computed (their KV written) but are not part of the sequence.
+        num_rejected = len(req.spec_token_ids) - (len(new_tokens) - 1)
+        req.num_computed_tokens -= num_rejected
+        req.spec_token_ids = []
+        p = req.params
+        eos = self.tokenizer.eos_token_ids
+        accepted: list[int] = []
+        status: RequestStatus | None = None
+        for tok in new_tokens:
+            req.output_token_ids.append(tok)
+            accepted.append(tok)
+            n_out = len(req.output_token_ids)
+            if n_out >= p.min_tokens:
+                if tok in p.stop_token_ids:
+                    status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+                elif not p.ignore_eos and tok in eos:
+                    status = RequestStatus.FINISHED_STOPPED
+            if status is None and ((p.max_tokens is not None and n_out >= p.max_tokens)
+                                   or req.num_tokens >= self.max_model_len):
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                break
+        # Tokens past a stop are dropped; so is the KV computed for them.
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+        self.num_generated_tokens += len(accepted)
+        state = self._states[req.request_id]
+        text = state.detokenizer.step([t for t in accepted if status != RequestStatus.FINISHED_STOPPED
+                                       or (t not in eos and t not in p.stop_token_ids)])
+        if state.stop is not None:
+            text, hit, matched = state.stop.feed(text)
+            if hit:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, matched
+        if status is not None:
+            if state.stop is None or not state.stop.stopped:
+                tail = state.detokenizer.flush()
+                text += state.stop.feed(tail)[0] + state.stop.flush() if state.stop else tail
+            self.scheduler.finish(req, status)
+            if self.speculator:
+                self.speculator.release(req.request_id)
+        logprobs = state.logprobs[-len(accepted):] if state.logprobs and req.params.logprobs is not None else None
+        return RequestOutput(req.request_id, accepted, text, status is not None, req.finish_reason, req.stop_reason,
+                             self._usage(req), logprobs)
+
+    def _finish_output(self, req: Request, tokens: list[int]) -> RequestOutput:
+        self._states.pop(req.request_id, None)
+        return RequestOutput(req.request_id, tokens, "", True, req.finish_reason, None, self._usage(req))
+
+    def _usage(self, req: Request) -> Usage:
+        return Usage(req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_tokens)
+
+    def _propose(self) -> None:
+        if self.speculator is None:
+            return
+        running = self.scheduler.running
+        if len(running) > self.manifest.speculator.max_batch_size:
+            return  # large batches are compute-bound: drafts would cost more than they save
+        eligible = [r for r in running if r.params.logprobs is None and r.num_computed_tokens == r.num_tokens - 1]
+        if not eligible:
+            return
+        k = self.manifest.speculator.num_speculative_tokens
+        for req, proposal in zip(eligible, self.speculator.propose(eligible, k), strict=True):
+            if proposal is None or not proposal.token_ids:
+                continue
+            room = self.max_model_len - req.num_tokens - 1
+            if req.params.max_tokens is not None:
+                room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
+            req.spec_token_ids = proposal.token_ids[:max(0, min(k, room))]
+
+    def forget(self, request_id: str) -> None:
+        """Drop the output state of a finished request (after its last output was delivered)."""
+        self._states.pop(request_id, None)
+
+    # --- introspection ----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_waiting": self.scheduler.num_waiting,
+            "num_running": self.scheduler.num_running,
+            "kv_blocks_total": self.kv.num_blocks,
+            "kv_blocks_free": self.kv.num_free_blocks,
+            "prefix_cache_hit_rate": self.kv.prefix_hit_rate,
+            "generated_tokens": self.num_generated_tokens,
+            "spec_draft_tokens": self.num_draft_tokens,
+            "spec_accepted_tokens": self.num_accepted_tokens,
+        }
+
+
+def kv_cache_shape(hf_config: dict[str, Any]) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a Llama-family or Mixtral config."""
+    heads = int(hf_config["num_attention_heads"])
+    head_dim = int(hf_config.get("head_dim") or hf_config["hidden_size"] // heads)
+    return int(hf_config["num_hidden_layers"]), int(hf_config.get("num_key_value_heads") or heads), head_dim
+
+
+def resolve_dtype(name: str, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    checkpoint = str(hf_config.get("dtype") or hf_config.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+    dtype = _DTYPES.get(checkpoint, torch.bfloat16)
+    if device.type == "cpu" and dtype == torch.float16:
+        return torch.bfloat16  # fp16 matmuls on CPU are slow and overflow-prone
+    return dtype

@@ -1,0 +1,175 @@
+"""The "torch" paged-attention backend against a plain dense reference, request by request."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from ember_platform.engine.attention import AttentionBackend, AttentionMetadata
+from ember_plugins.attention.torch_paged import TorchPagedAttention
+
+BLOCK_SIZE = 4
+HEAD_DIM = 16
+
+
+def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                        window: int | None) -> torch.Tensor:
+    """Dense float64 attention of one request: q [q_len, H, D] over its whole context [S, Hkv, D]."""
+    q_len, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = keys.shape
+    group = num_heads // num_kv_heads
+    k = keys.double().repeat_interleave(group, dim=1)  # [S, H, D]
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,shd->hqs", q.double(), k) * scale
+    q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+    k_pos = torch.arange(seq_len)[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqs,shd->qhd", scores.softmax(-1), v)
+
+
+@dataclass
+class Step:
+    """One engine step's inputs plus what the reference needs: each request's full context."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    kv_cache: tuple[torch.Tensor, torch.Tensor]
+    meta: AttentionMetadata
+    contexts: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def make_step(query_lens: list[int], seq_lens: list[int], num_heads: int = 8, num_kv_heads: int = 2,
+              dtype: torch.dtype = torch.float32, seed: int = 0) -> Step:
+    """Random contexts in a cache whose blocks are shuffled and interleaved between requests.
+
+    Earlier context is already in the cache; this step's k/v are not (the backend writes them).
+    Every other slot holds finite garbage, so anything the backend fails to mask shows up.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [math.ceil(s / BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(blocks_needed) + 5
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+    tables, contexts, qs, ks, vs = [], [], [], [], []
+    for q_len, seq_len, n in zip(query_lens, seq_lens, blocks_needed, strict=True):
+        table, ids = ids[:n], ids[n:]
+        tables.append(table)
+        keys = torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+        values = torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+        for pos in range(seq_len - q_len):
+            k_cache[table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = keys[pos]
+            v_cache[table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = values[pos]
+        contexts.append((keys, values))
+        qs.append(torch.randn(q_len, num_heads, HEAD_DIM, generator=gen).to(dtype))
+        ks.append(keys[seq_len - q_len:])
+        vs.append(values[seq_len - q_len:])
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE)
+    return Step(torch.cat(qs), torch.cat(ks), torch.cat(vs), (k_cache, v_cache), meta, contexts)
+
+
+def check(step: Step, backend: TorchPagedAttention, atol: float) -> float:
+    """Run the backend; compare every request's output and the cache writes. Returns the max error."""
+    scale = HEAD_DIM**-0.5
+    out = backend.forward(step.q, step.k, step.v, step.kv_cache, step.meta, scale)
+    assert out.shape == step.q.shape and out.dtype == step.q.dtype
+    k_cache, v_cache = step.kv_cache
+    flat_k, flat_v = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+    torch.testing.assert_close(flat_k[step.meta.slot_mapping], step.k, rtol=0, atol=0)
+    torch.testing.assert_close(flat_v[step.meta.slot_mapping], step.v, rtol=0, atol=0)
+    worst, start = 0.0, 0
+    for q_len, (keys, values) in zip(step.meta.query_lens, step.contexts, strict=True):
+        expected = reference_attention(step.q[start:start + q_len], keys, values, scale, backend.sliding_window)
+        got = out[start:start + q_len].double()
+        worst = max(worst, (got - expected).abs().max().item())
+        torch.testing.assert_close(got, expected, rtol=0, atol=atol)
+        start += q_len
+    return worst
+
+
+CASES = {
+    # name: (query_lens, seq_lens)
+    "decode_only": ([1, 1, 1, 1, 1], [1, 7, 16, 33, 70]),
+    "fresh_prefills": ([20, 37, 5], [20, 37, 5]),
+    "prefill_chunks_with_context": ([24, 10, 17], [60, 30, 17 + 40]),
+    "mixed": ([1, 24, 1, 4, 3, 1], [9, 50, 1, 21, 3, 64]),
+    "uniform_speculative": ([3, 3, 3], [3, 18, 41]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("window", [None, 8])
+def test_matches_dense_reference(case: str, window: int | None) -> None:
+    query_lens, seq_lens = CASES[case]
+    check(make_step(query_lens, seq_lens), TorchPagedAttention(sliding_window=window), atol=2e-5)
+
+
+@pytest.mark.parametrize("case", ["decode_only", "mixed"])
+def test_many_small_chunks_and_requests_shorter_than_a_chunk(case: str) -> None:
+    # 2 blocks per chunk: long contexts span many chunks while short ones see nothing in most.
+    query_lens, seq_lens = CASES[case]
+    backend = TorchPagedAttention(max_blocks_per_chunk=2)
+    check(make_step(query_lens, seq_lens, seed=1), backend, atol=2e-5)
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 8])
+def test_multi_query_and_multi_head(num_kv_heads: int) -> None:
+    query_lens, seq_lens = CASES["mixed"]
+    check(make_step(query_lens, seq_lens, num_kv_heads=num_kv_heads, seed=2), TorchPagedAttention(), atol=2e-5)
+
+
+def test_every_request_through_the_chunked_kernel() -> None:
+    # With a high threshold prefill chunks take the batched path too (padding queries in between).
+    query_lens, seq_lens = CASES["prefill_chunks_with_context"]
+    backend = TorchPagedAttention(max_batched_query_len=64, max_blocks_per_chunk=3)
+    check(make_step(query_lens, seq_lens, seed=3), backend, atol=2e-5)
+
+
+@pytest.mark.parametrize("case", ["decode_only", "mixed"])
+def test_bfloat16_accumulates_in_float32(case: str) -> None:
+    query_lens, seq_lens = CASES[case]
+    err = check(make_step(query_lens, seq_lens, dtype=torch.bfloat16, seed=4), TorchPagedAttention(), atol=2e-2)
+    assert err < 2e-2
+
+
+def test_layers_share_the_step_plan() -> None:
+    step = make_step(*CASES["mixed"])
+    backend = TorchPagedAttention()
+    scale = HEAD_DIM**-0.5
+    first = backend.forward(step.q, step.k, step.v, step.kv_cache, step.meta, scale)
+    assert len(step.meta.scratch) == 1
+    again = backend.forward(step.q, step.k, step.v, step.kv_cache, step.meta, scale)
+    assert len(step.meta.scratch) == 1
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+
+
+def test_backend_satisfies_the_protocol() -> None:
+    backend = TorchPagedAttention(sliding_window=4)
+    assert isinstance(backend, AttentionBackend)
+    assert backend.name == "torch"
+
+
+def test_metadata_build_and_validation() -> None:
+    meta = AttentionMetadata.build([2, 1], [5, 3], [[7, 2], [4]], block_size=4)
+    # request 0: positions 3, 4 -> block 7 offset 3, block 2 offset 0; request 1: position 2 -> block 4 offset 2
+    assert meta.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4 + 0, 4 * 4 + 2]
+    assert meta.query_start_loc.tolist() == [0, 2, 3]
+    assert meta.block_tables.tolist() == [[7, 2], [4, 0]]
+    assert meta.block_tables.dtype == torch.int32
+    assert (meta.max_query_len, meta.max_seq_len, meta.decode_only) == (2, 5, False)
+    with pytest.raises(ValueError, match="query_len <= seq_len"):
+        AttentionMetadata.build([4], [3], [[0]], block_size=4)
+    with pytest.raises(ValueError, match="cannot hold"):
+        AttentionMetadata.build([1], [9], [[0, 1]], block_size=4)
+
+
+def test_invalid_sliding_window_is_refused() -> None:
+    with pytest.raises(ValueError, match="sliding_window"):
+        TorchPagedAttention(sliding_window=0)
