@@ -59,8 +59,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._streams[request_id] = (loop, stream)
-        done = asyncio.Event()
-        self._send("add", (request_id, prompt, params or SamplingParams(), lora_name, cache_salt, done))
+        self._send("add", (request_id, prompt, params or SamplingParams(), lora_name, cache_salt))
         finished = False
         try:
             while True:
@@ -103,7 +102,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                request_id, prompt, params, lora_name, cache_salt, _ = payload
+                request_id, prompt, params, lora_name, cache_salt = payload
                 try:
                     self.engine.add_request(request_id, prompt, params, lora_name=lora_name, cache_salt=cache_salt)
                 except (ValueError, TypeError) as e:
