@@ -1,0 +1,444 @@
+"""OpenAI's /v1/chat/completions and /v1/completions request bodies: parsed, checked, mapped to SamplingParams.
+
+Use `parse_chat_request` / `parse_completion_request`: every problem becomes a `ProtocolError` whose `param` names
+the offending field as OpenAI writes it (`top_p`, `messages[0].role`, `messages[1].content[0].type`).
+
+Types are strict (a number sent as a string is a 400, as at OpenAI). Ranges are checked once, by SamplingParams;
+the models here only add OpenAI's own limits (n, stop, logprobs) and refuse what Ember does not serve.
+Unknown fields are accepted and have no effect, as in vLLM, so clients that send newer OpenAI parameters keep
+working; `ignored_fields` lists them for the gateway to log.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from ember_platform.engine.sampling_params import SamplingParams, SamplingParamsError
+from ember_platform.gateway.errors import (
+    ProtocolError,
+    context_length_exceeded,
+    invalid_json,
+    invalid_request,
+    unsupported,
+)
+
+MAX_STOP_SEQUENCES = 4
+MAX_CHAT_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+# OpenAI's (and vLLM's) default for /v1/completions when the body has no max_tokens; chat has none.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+_CONFIG = ConfigDict(strict=True, extra="allow", protected_namespaces=())
+
+# Tags of the str-or-list unions below. A callable discriminator picks one branch from the value's shape, so an
+# error reports only that branch; the tags are dropped again from the error's path (see `_param_path`).
+_STRING, _LIST, _OBJECT, _TOKENS, _TOKEN_LISTS = "<string>", "<list>", "<object>", "<tokens>", "<token-lists>"
+_UNION_TAGS = frozenset({_STRING, _LIST, _OBJECT, _TOKENS, _TOKEN_LISTS})
+
+
+def _shape(value: Any) -> str | None:
+    if isinstance(value, str):
+        return _STRING
+    if isinstance(value, list):
+        return _LIST
+    return _OBJECT if isinstance(value, dict) else None
+
+
+def _prompt_shape(value: Any) -> str | None:
+    if isinstance(value, str):
+        return _STRING
+    if not isinstance(value, list):
+        return None
+    if value and isinstance(value[0], list):
+        return _TOKEN_LISTS
+    if value and not isinstance(value[0], str):
+        return _TOKENS
+    return _LIST
+
+
+def _one_of(shape: Any, description: str) -> Discriminator:
+    return Discriminator(shape, custom_error_type="invalid_type", custom_error_message=f"Input should be {description}")
+
+
+TokenId = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Stop = Annotated[
+    Annotated[str, Tag(_STRING)] | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES), Tag(_LIST)],
+    _one_of(_shape, f"a string or a list of at most {MAX_STOP_SEQUENCES} strings"),
+]
+Prompt = Annotated[
+    Annotated[str, Tag(_STRING)]
+    | Annotated[list[str], Field(min_length=1), Tag(_LIST)]
+    | Annotated[TokenIds, Tag(_TOKENS)]
+    | Annotated[list[TokenIds], Field(min_length=1), Tag(_TOKEN_LISTS)],
+    _one_of(_prompt_shape, "a string, a list of strings, a list of token ids or a list of token-id lists"),
+]
+
+
+class TextContentPart(BaseModel):
+    model_config = _CONFIG
+    type: Literal["text"]  # images, audio and files: Ember serves text models only
+    text: str
+
+
+MessageContent = Annotated[
+    Annotated[str, Tag(_STRING)] | Annotated[list[TextContentPart], Tag(_LIST)],
+    _one_of(_shape, "a string or a list of content parts"),
+]
+
+
+class ChatMessage(BaseModel):
+    """One message; fields other than role and content (name, tool_calls, tool_call_id, ...) reach the template."""
+
+    model_config = _CONFIG
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: MessageContent | None = Field(default=None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, content: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")  # absent when the role itself was invalid: that error is reported instead
+        if content is None and role is not None and role != "assistant":
+            raise PydanticCustomError("missing", "Field required")
+        return content
+
+    def text(self) -> str:
+        """The content as one string: text parts joined by newlines, as vLLM does for string-only templates."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+    def template_message(self) -> dict[str, Any]:
+        # Open models' templates know "system", not OpenAI's newer "developer" (which replaces it).
+        role = "system" if self.role == "developer" else self.role
+        return {**(self.model_extra or {}), "role": role, "content": self.text()}
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _CONFIG
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _CONFIG
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag(_STRING)] | Annotated[NamedToolChoice, Tag(_OBJECT)],
+    _one_of(_shape, "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"),
+]
+
+
+class StreamOptions(BaseModel):
+    model_config = _CONFIG
+    include_usage: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _CONFIG
+    type: str
+
+
+def parse_model_name(model: str) -> tuple[str, str | None]:
+    """`"NAME"` -> (NAME, None); `"NAME:ADAPTER"` -> (NAME, ADAPTER), a LoRA adapter of that model."""
+    name, colon, adapter = model.partition(":")
+    if not name or (colon and not adapter):
+        raise invalid_request("model", f"Invalid 'model': {model!r}. Use 'NAME' or 'NAME:ADAPTER' (a LoRA adapter).")
+    return name, adapter or None
+
+
+class GenerationRequest(BaseModel):
+    """What both endpoints share: the model, sampling settings (OpenAI's and vLLM's extras), streaming."""
+
+    model_config = _CONFIG
+    _prompt_param: ClassVar[str]
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: Stop | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras (the OpenAI client sends them through `extra_body`).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
+
+    @property
+    def model_and_adapter(self) -> tuple[str, str | None]:
+        return parse_model_name(self.model)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk (and carries `"usage": null` on every other chunk)."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """Top-level fields Ember does not know, accepted without effect."""
+        return sorted(self.model_extra or {})
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The output limit the body asked for, or None for the default."""
+        return self.max_tokens
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.num_logprobs() is not None
+
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: top alternatives per token, None when no logprobs were asked for."""
+        raise NotImplementedError
+
+    def _default_max_tokens(self, room: int | None) -> int | None:
+        return room
+
+    def _openai_param(self, field: str) -> str:
+        return field
+
+    def check(self) -> None:
+        """Refuse what Ember does not serve and what only makes sense together; validate the sampling settings."""
+        if self.n is not None and self.n != 1:
+            if self.n < 1:
+                raise invalid_request("n", f"Invalid 'n': it must be >= 1, got {self.n}.")
+            raise unsupported("n", f"n={self.n} is not supported: Ember returns one choice per request. "
+                                   f"Send {self.n} requests (with different seeds) instead.")
+        if self.logit_bias:
+            raise unsupported("logit_bias", "logit_bias is not supported by Ember; send it empty or leave it out.")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise unsupported("response_format", f"response_format type '{self.response_format.type}' is not "
+                                                 f"supported: Ember generates free text only (type 'text').")
+        if self.stream_options is not None and not self.stream:
+            raise invalid_request("stream_options", "stream_options is only allowed when 'stream' is true.")
+        parse_model_name(self.model)
+        self.to_sampling_params(None)
+
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        """The engine's settings for this request; `default_max_tokens` applies when the body sets no limit.
+
+        Pass the room left in the context (`sampling_params_for` does). Raises ProtocolError naming the field.
+        """
+        requested = self.requested_max_tokens
+        values: dict[str, Any] = {
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "seed": self.seed, "min_tokens": self.min_tokens,
+            "stop": self.stop, "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
+        }
+        kwargs = {name: value for name, value in values.items() if value is not None}
+        kwargs["max_tokens"] = requested if requested is not None else self._default_max_tokens(default_max_tokens)
+        kwargs["logprobs"] = self.num_logprobs()
+        try:
+            return SamplingParams(**kwargs)
+        except SamplingParamsError as e:
+            param = self._openai_param(e.field)
+            message = str(e)
+            if param != e.field and message.startswith(e.field):  # say it with the name the client sent
+                message = param + message[len(e.field):]
+            raise invalid_request(param, f"Invalid '{param}': {message}.") from None
+
+    def sampling_params_for(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        """`to_sampling_params` once the prompt is tokenized: 400 if prompt plus requested output cannot fit."""
+        room = max_model_len - num_prompt_tokens
+        requested = self.requested_max_tokens
+        if room < 1 or (requested is not None and requested > room):
+            raise context_length_exceeded(max_model_len, num_prompt_tokens, requested if room >= 1 else None,
+                                          param=self._prompt_param)
+        return self.to_sampling_params(room)
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """The body of POST /v1/chat/completions."""
+
+    _prompt_param = "messages"
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        # max_completion_tokens replaced max_tokens; OpenAI takes the new name when both are sent.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def _openai_param(self, field: str) -> str:
+        if field == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return "top_logprobs" if field == "logprobs" else field
+
+    def check(self) -> None:
+        if self.top_logprobs and not self.logprobs:
+            raise invalid_request("top_logprobs", "top_logprobs requires 'logprobs' to be true.")
+        super().check()
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as chat templates take them: string content, 'developer' as 'system'."""
+        return [message.template_message() for message in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """Tool definitions for the template; none when tool_choice is "none", so the model is not offered them.
+
+        Other tool_choice values are not enforced: the model sees the tools and may or may not call one.
+        """
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_unset=True) for tool in self.tools]  # as sent, explicit nulls kept
+
+
+class CompletionRequest(GenerationRequest):
+    """The body of POST /v1/completions."""
+
+    _prompt_param = "prompt"
+
+    prompt: Prompt
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def _default_max_tokens(self, room: int | None) -> int | None:
+        # Absent max_tokens means OpenAI's 16; an explicit null means "up to the context", as in vLLM.
+        if "max_tokens" in self.model_fields_set:
+            return room
+        return COMPLETION_DEFAULT_MAX_TOKENS if room is None else min(COMPLETION_DEFAULT_MAX_TOKENS, room)
+
+    def check(self) -> None:
+        if self.echo:
+            raise unsupported("echo", "echo is not supported by Ember: the completion is returned without the prompt.")
+        if self.suffix:
+            raise unsupported("suffix", "suffix (insertion) is not supported by Ember.")
+        if self.best_of is not None and self.best_of != 1:
+            raise unsupported("best_of", f"best_of={self.best_of} is not supported: Ember samples one sequence.")
+        super().check()
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a batch: each item a text or a list of token ids, one choice per item."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and isinstance(prompt[0], int):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+
+_Request = TypeVar("_Request", bound=GenerationRequest)
+
+
+def _param_path(loc: tuple[int | str, ...]) -> str | None:
+    path = ""
+    for item in loc:
+        if item in _UNION_TAGS:
+            continue
+        path += f"[{item}]" if isinstance(item, int) else (f".{item}" if path else str(item))
+    return path or None
+
+
+def _error_code(error_type: str) -> str:
+    if error_type == "missing":
+        return "missing_required_parameter"
+    if error_type.endswith(("_type", "_parsing")) or error_type == "invalid_type":
+        return "invalid_type"
+    return "invalid_value"
+
+
+def _from_validation_error(e: ValidationError) -> ProtocolError:
+    first = e.errors(include_url=False)[0]
+    param = _param_path(first["loc"])
+    code = _error_code(first["type"])
+    if code == "missing_required_parameter":
+        message = f"Missing required parameter: '{param}'."
+    else:
+        value = first.get("input")
+        shown = repr(value) if isinstance(value, str | int | float | bool) or value is None else ""
+        got = f" (got {shown})" if shown and len(shown) <= 80 else ""
+        message = f"Invalid '{param}': {first['msg']}{got}."
+    if (more := e.error_count() - 1) > 0:
+        message += f" ({more} more problem{'s' if more > 1 else ''} in the request.)"
+    return ProtocolError(400, message, param, code)
+
+
+def _load(body: bytes | str | Mapping[str, Any]) -> Mapping[str, Any]:
+    if isinstance(body, Mapping):
+        return body
+    if not body:
+        raise invalid_json("the body is empty")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise invalid_json(str(e)) from None
+    if not isinstance(data, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(data), "a number")
+        raise invalid_request(None, f"The request body must be a JSON object, got {kind}.", "invalid_type")
+    return data
+
+
+def _parse(cls: type[_Request], body: bytes | str | Mapping[str, Any]) -> _Request:
+    data = _load(body)
+    try:
+        request = cls.model_validate(data)
+    except ValidationError as e:
+        raise _from_validation_error(e) from None
+    request.check()
+    return request
+
+
+def parse_chat_request(body: bytes | str | Mapping[str, Any]) -> ChatCompletionRequest:
+    """Parse and check a /v1/chat/completions body (raw JSON or already decoded); raises ProtocolError."""
+    return _parse(ChatCompletionRequest, body)
+
+
+def parse_completion_request(body: bytes | str | Mapping[str, Any]) -> CompletionRequest:
+    """Parse and check a /v1/completions body (raw JSON or already decoded); raises ProtocolError."""
+    return _parse(CompletionRequest, body)

@@ -1,0 +1,305 @@
+"""OpenAI response objects from engine outputs: chat.completion, text_completion, their stream chunks, and SSE.
+
+Engine outputs are `RequestOutput`s (or anything with the same attributes); each carries one step's new text, the
+usage so far, and one `TokenLogprobs` per new token when logprobs were asked for. Token strings for logprobs come
+from `token_text(id)`, the caller's decode of one id.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ember_platform.gateway.errors import request_aborted
+
+if TYPE_CHECKING:  # the engine's modules import torch; these are only read here, by attribute
+    from ember_platform.engine.outputs import RequestOutput, Usage
+    from ember_platform.engine.sampler import TokenLogprobs
+
+TokenText = Callable[[int], str]
+
+SSE_DONE = b"data: [DONE]\n\n"
+# JSON has no -inf. OpenAI writes this value for a token too unlikely to have a meaningful logprob.
+UNLIKELY_LOGPROB = -9999.0
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event carrying `obj` as compact JSON."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode() + b"\n\n"
+
+
+def new_chat_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def new_completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def usage_object(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def _total_usage(usages: Iterable[Usage | None]) -> dict[str, Any]:
+    present = [u for u in usages if u is not None]
+    return usage_object(sum(u.prompt_tokens for u in present), sum(u.completion_tokens for u in present),
+                        sum(u.cached_tokens for u in present))
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else UNLIKELY_LOGPROB
+
+
+def _openai_finish_reason(reason: str | None) -> str:
+    # OpenAI knows "stop" and "length"; an aborted request has no successful answer.
+    if reason == "abort":
+        raise request_aborted()
+    if reason not in ("stop", "length"):
+        raise ValueError(f"not a finished engine output: finish_reason={reason!r}")
+    return reason
+
+
+def _chat_token(token_id: int, logprob: float, token_text: TokenText) -> dict[str, Any]:
+    token = token_text(token_id)
+    return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(logprobs: Iterable[TokenLogprobs], token_text: TokenText) -> dict[str, Any]:
+    """Chat's `choice.logprobs`: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}."""
+    return {"content": [
+        {**_chat_token(lp.token_id, lp.logprob, token_text),
+         "top_logprobs": [_chat_token(token_id, logprob, token_text) for token_id, logprob in lp.top]}
+        for lp in logprobs
+    ]}
+
+
+def completion_logprobs(logprobs: Iterable[TokenLogprobs], token_text: TokenText,
+                        text_offset: int = 0) -> tuple[dict[str, Any], int]:
+    """The completions API's `choice.logprobs`, and the text offset after its last token.
+
+    `top_logprobs` maps token strings to logprobs: the top alternatives plus the sampled token, as OpenAI's
+    legacy API does (so up to logprobs+1 entries). Offsets count characters of the token strings from
+    `text_offset` (the start of the completion: the prompt is never echoed).
+    """
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    offsets: list[int] = []
+    for lp in logprobs:
+        token = token_text(lp.token_id)
+        tokens.append(token)
+        token_logprobs.append(_finite(lp.logprob))
+        top: dict[str, float] = {}
+        for token_id, logprob in lp.top:  # most likely first: keep the first of ids that decode alike
+            top.setdefault(token_text(token_id), _finite(logprob))
+        top.setdefault(token, _finite(lp.logprob))
+        top_logprobs.append(top)
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return ({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+             "text_offset": offsets}, text_offset)
+
+
+@dataclass(slots=True)
+class Generation:
+    """One request's engine outputs gathered into the whole answer, for a non-streaming response."""
+
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+    @classmethod
+    def collect(cls, outputs: Iterable[RequestOutput]) -> Generation:
+        generation = cls()
+        for output in outputs:
+            generation.add(output)
+        return generation
+
+    def add(self, output: RequestOutput) -> None:
+        self.text_parts.append(output.new_text)
+        if output.logprobs:
+            self.logprobs.extend(output.logprobs)
+        self.usage = output.usage  # the engine's usage is the running total
+        if output.finished:
+            self.finish_reason = output.finish_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+def chat_completion(generation: Generation, *, model: str, token_text: TokenText, logprobs: bool = False,
+                    completion_id: str | None = None, created: int | None = None) -> dict[str, Any]:
+    """A `chat.completion` object for one finished request. Raises ProtocolError (503) if it was aborted."""
+    finish_reason = _openai_finish_reason(generation.finish_reason)
+    return {
+        "id": completion_id or new_chat_completion_id(),
+        "object": "chat.completion",
+        "created": int(time.time()) if created is None else created,
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": generation.text},
+            "logprobs": chat_logprobs(generation.logprobs, token_text) if logprobs else None,
+            "finish_reason": finish_reason,
+        }],
+        "usage": _total_usage([generation.usage]),
+    }
+
+
+def text_completion(generations: Sequence[Generation], *, model: str, token_text: TokenText,
+                    logprobs: bool = False, completion_id: str | None = None,
+                    created: int | None = None) -> dict[str, Any]:
+    """A `text_completion` object: one choice per prompt of the batch, usage summed over them."""
+    choices = []
+    for index, generation in enumerate(generations):
+        finish_reason = _openai_finish_reason(generation.finish_reason)
+        choices.append({
+            "text": generation.text,
+            "index": index,
+            "logprobs": completion_logprobs(generation.logprobs, token_text)[0] if logprobs else None,
+            "finish_reason": finish_reason,
+        })
+    return {
+        "id": completion_id or new_completion_id(),
+        "object": "text_completion",
+        "created": int(time.time()) if created is None else created,
+        "model": model,
+        "choices": choices,
+        "usage": _total_usage(g.usage for g in generations),
+    }
+
+
+class _Stream:
+    """Turns engine outputs into the chunks of one streamed response; send each with `sse`, then `SSE_DONE`."""
+
+    object_name: str
+
+    def __init__(self, *, model: str, token_text: TokenText, include_usage: bool = False, logprobs: bool = False,
+                 completion_id: str, created: int | None = None, num_choices: int = 1) -> None:
+        self.id = completion_id
+        self.model = model
+        self.created = int(time.time()) if created is None else created
+        self.token_text = token_text
+        self.include_usage = include_usage
+        self.logprobs = logprobs
+        self.num_choices = num_choices
+        self._usage: dict[int, Usage] = {}
+        self._finished: set[int] = set()
+        self.done = False  # everything is sent but SSE_DONE
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
+                 "choices": choices}
+        if self.include_usage:  # OpenAI: with include_usage, every chunk has the key, null but on the last
+            chunk["usage"] = None
+        return chunk
+
+    def _step(self, output: RequestOutput, index: int) -> list[dict[str, Any]]:
+        """Chunks for one output: its new text (if any), then its finish chunk, then usage when all are done."""
+        if self.done:
+            raise RuntimeError("the stream has already ended")
+        if output.finish_reason == "abort":
+            self.done = True
+            return [request_aborted().body()]  # an error event: OpenAI's clients raise it as an APIError
+        chunks = []
+        logprobs = output.logprobs if self.logprobs else None
+        if output.new_text or logprobs:
+            chunks.append(self._chunk([self._content_choice(index, output.new_text, logprobs or [])]))
+        self._usage[index] = output.usage
+        if output.finished:
+            finish_reason = _openai_finish_reason(output.finish_reason)
+            chunks.append(self._chunk([self._finish_choice(index, finish_reason)]))
+            self._finished.add(index)
+            if len(self._finished) == self.num_choices:
+                self.done = True
+                if self.include_usage:
+                    chunks.append({**self._chunk([]), "usage": _total_usage(self._usage.values())})
+        return chunks
+
+    def _content_choice(self, index: int, text: str, logprobs: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _finish_choice(self, index: int, finish_reason: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class ChatStream(_Stream):
+    """`chat.completion.chunk`s as OpenAI streams them.
+
+    A first chunk with delta {"role": "assistant", "content": ""}; a content chunk per engine step that produced
+    text; a chunk with an empty delta and the finish_reason; with include_usage, a last chunk with `choices: []`
+    and the usage (every other chunk then carries `"usage": null`).
+    """
+
+    object_name = "chat.completion.chunk"
+
+    def __init__(self, *, model: str, token_text: TokenText, include_usage: bool = False, logprobs: bool = False,
+                 completion_id: str | None = None, created: int | None = None) -> None:
+        super().__init__(model=model, token_text=token_text, include_usage=include_usage, logprobs=logprobs,
+                         completion_id=completion_id or new_chat_completion_id(), created=created)
+        self._started = False
+
+    def start(self) -> list[dict[str, Any]]:
+        """The role chunk, once; `add` sends it first if this was not called (call it to flush headers early)."""
+        if self._started:
+            return []
+        self._started = True
+        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])]
+
+    def add(self, output: RequestOutput) -> list[dict[str, Any]]:
+        """The chunks (maybe none) that one engine output adds to the stream."""
+        return self.start() + self._step(output, 0)
+
+    def _content_choice(self, index: int, text: str, logprobs: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        return {"index": index, "delta": {"content": text},
+                "logprobs": chat_logprobs(logprobs, self.token_text) if self.logprobs else None,
+                "finish_reason": None}
+
+    def _finish_choice(self, index: int, finish_reason: str) -> dict[str, Any]:
+        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
+
+
+class CompletionStream(_Stream):
+    """Streamed `text_completion` objects as OpenAI sends them.
+
+    A chunk per engine step that produced text; a chunk with text "" and the finish_reason per choice; with
+    include_usage, a last chunk with `choices: []` and the usage summed over the choices (one per prompt).
+    """
+
+    object_name = "text_completion"
+
+    def __init__(self, *, model: str, token_text: TokenText, include_usage: bool = False, logprobs: bool = False,
+                 completion_id: str | None = None, created: int | None = None, num_choices: int = 1) -> None:
+        super().__init__(model=model, token_text=token_text, include_usage=include_usage, logprobs=logprobs,
+                         completion_id=completion_id or new_completion_id(), created=created,
+                         num_choices=num_choices)
+        self._text_offsets = [0] * num_choices
+
+    def add(self, output: RequestOutput, index: int = 0) -> list[dict[str, Any]]:
+        """The chunks (maybe none) that one engine output of choice `index` (its prompt's place) adds."""
+        if not 0 <= index < self.num_choices:
+            raise IndexError(f"choice index {index} out of range for {self.num_choices} choices")
+        return self._step(output, index)
+
+    def _content_choice(self, index: int, text: str, logprobs: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        choice_logprobs = None
+        if self.logprobs:
+            choice_logprobs, self._text_offsets[index] = completion_logprobs(logprobs, self.token_text,
+                                                                             self._text_offsets[index])
+        return {"text": text, "index": index, "logprobs": choice_logprobs, "finish_reason": None}
+
+    def _finish_choice(self, index: int, finish_reason: str) -> dict[str, Any]:
+        return {"text": "", "index": index, "logprobs": None, "finish_reason": finish_reason}
