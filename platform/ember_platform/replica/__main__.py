@@ -1,0 +1,66 @@
+"""`python -m ember_platform.replica --package DIR ...`: one replica process serving one model package."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from ember.errors import EmberError
+from ember_platform.replica.app import Replica
+from ember_platform.replica.server import DEFAULT_DRAIN_TIMEOUT, READY_LINE, serve
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`KEY=VALUE`, the value read as JSON when it is JSON (`8`, `true`, `{"bits": 4}`) and as a string otherwise."""
+    key, eq, value = text.partition("=")
+    if not eq or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m ember_platform.replica",
+        description=f"Serve one Ember package over HTTP (OpenAI-compatible). Prints '{READY_LINE} URL' once ready.")
+    parser.add_argument("--package", required=True, metavar="DIR",
+                        help="an Ember package dir (or a Hugging Face checkpoint dir)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default: 0)")
+    parser.add_argument("--override", action="append", type=parse_override, default=[], metavar="KEY=VALUE",
+                        help="an engine override, e.g. max_num_seqs=8 or quantization=int8 (repeatable)")
+    parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT, metavar="S",
+                        help="on SIGTERM, seconds to let requests in flight finish "
+                             f"(default: {DEFAULT_DRAIN_TIMEOUT:g})")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="torch CPU threads (default: torch's own choice); replicas sharing a host's cores "
+                             "run far faster with fewer threads each than with too many")
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = logging.DEBUG if args.log_level == "trace" else getattr(logging, args.log_level.upper())
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, args.threads))
+    try:
+        replica = Replica(args.package, dict(args.override))  # checks the package and overrides; loads nothing yet
+    except (EmberError, OSError, TypeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return serve(replica, host=args.host, port=args.port, drain_timeout=args.drain_timeout, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,504 @@
+"""The replica's HTTP app: OpenAI-compatible generation over one engine, plus /health, /ready, /metrics and /info.
+
+`Replica` holds what the routes serve (the engine once loaded and warmed up, the lifecycle state, the in-flight
+count, the metrics); `create_app` builds the Starlette app over it. The process around it is `server.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ember.errors import EmberError, PackageError
+from ember.package.lock import LOCK_NAME, Lock
+from ember_platform.engine.config import resolve_source
+from ember_platform.engine.sampling_params import SamplingParams
+from ember_platform.gateway.errors import (
+    ProtocolError,
+    error_body,
+    invalid_json,
+    invalid_request,
+    service_unavailable,
+)
+from ember_platform.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    parse_chat_request,
+    parse_completion_request,
+)
+from ember_platform.gateway.responses import (
+    SSE_DONE,
+    ChatStream,
+    CompletionStream,
+    Generation,
+    chat_completion,
+    new_chat_completion_id,
+    new_completion_id,
+    sse,
+    text_completion,
+)
+from ember_platform.replica.metrics import COLD_START_PHASES, ReplicaMetrics
+
+if TYPE_CHECKING:  # the engine imports torch; the app only needs it once `load()` runs
+    from ember_platform.engine.async_engine import AsyncEngine
+    from ember_platform.engine.engine import LLMEngine
+    from ember_platform.engine.outputs import RequestOutput
+
+log = logging.getLogger("ember.replica")
+
+STARTING, READY, DRAINING = "starting", "ready", "draining"
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# A replica that is starting or draining sends clients elsewhere soon: the gateway retries on another replica.
+RETRY_AFTER_SECONDS = 1.0
+WARMUP_PROMPT = "Hello"
+WARMUP_TOKENS = 2
+# Engine counters the warm-up moves; /metrics reports requests' tokens only.
+_WARMUP_COUNTERS = ("generated_tokens", "spec_draft_tokens", "spec_accepted_tokens")
+
+
+def read_lock_digest(package_dir: Path) -> str | None:
+    """The package digest from its `ember.lock`, or None when the package has no (readable) lock."""
+    path = package_dir / LOCK_NAME
+    if not path.is_file():
+        return None
+    try:
+        return Lock.from_json(path.read_bytes(), source=str(path)).digest
+    except (OSError, PackageError) as e:
+        log.warning("%s; /info reports no digest", e)
+        return None
+
+
+class Replica:
+    """One model served by one engine: loaded once by `load()` (weights, then a warm-up generate), then ready.
+
+    The package and overrides are checked at construction (torch-free), so a bad command line fails before the
+    HTTP server starts; the weights load in `load()`, which blocks: the server runs it in a thread.
+    """
+
+    def __init__(self, package_dir: str | Path, overrides: dict[str, Any] | None = None) -> None:
+        self._started = time.perf_counter()
+        self.package_dir = Path(package_dir)
+        self.overrides = dict(overrides or {})
+        self.source, _ = resolve_source(self.package_dir, self.overrides)
+        self.manifest = self.source.manifest
+        self.digest = read_lock_digest(self.source.root) if self.source.is_package else None
+        self.state = STARTING
+        self.engine: LLMEngine | None = None
+        self.async_engine: AsyncEngine | None = None
+        self.timings: dict[str, float | None] = dict.fromkeys(COLD_START_PHASES)
+        self.num_in_flight = 0
+        self.token_text: Callable[[int], str] = self._no_tokens  # one token's text, for logprobs; set by load()
+        self._warmup_counters: dict[str, float] = {}
+        self.metrics = ReplicaMetrics(self._request_stats, lambda: self.num_in_flight)
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Load the engine, run the warm-up generate, start the step loop; then the replica is ready."""
+        from ember_platform.engine.async_engine import AsyncEngine
+        from ember_platform.engine.engine import LLMEngine
+
+        engine = LLMEngine(self.package_dir, **self.overrides)
+        self.timings["load"] = engine.timings["load"]
+        self.timings["quantize"] = engine.timings.get("quantize", 0.0)
+        self._warm_up(engine)
+        self.engine = engine
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(
+            lambda token_id: engine.tokenizer.decode([token_id], skip_special_tokens=False))
+        self.async_engine = AsyncEngine(engine)
+        self.metrics.set_cold_start(self.timings)
+        if self.state == STARTING:  # a drain that began while loading wins
+            self.state = READY
+        log.info("replica ready: %s, cold start %s", self.manifest.reference,
+                 {k: round(v, 3) for k, v in self.timings.items() if v is not None})
+
+    def _warm_up(self, engine: LLMEngine) -> None:
+        """Generate a few tokens so the first request pays no one-time costs (allocations, lazy inits)."""
+        t0 = time.perf_counter()
+        request_id = f"ember-warmup-{uuid.uuid4().hex}"
+        params = SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
+        engine.add_request(request_id, engine.tokenizer.encode(WARMUP_PROMPT), params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.new_token_ids and self.timings["first_token"] is None:
+                    self.timings["first_token"] = time.perf_counter() - self._started
+                if out.finished:
+                    engine.forget(out.request_id)
+        self.timings["warmup"] = time.perf_counter() - t0
+        stats = engine.stats()
+        self._warmup_counters = {key: stats[key] for key in _WARMUP_COUNTERS}
+
+    @staticmethod
+    def _no_tokens(token_id: int) -> str:
+        raise RuntimeError("the replica has no tokenizer before load()")
+
+    def begin_drain(self) -> None:
+        """Take no new generation requests (503 + Retry-After); requests in flight go on."""
+        self.state = DRAINING
+
+    def close(self) -> None:
+        if self.async_engine is not None:
+            self.async_engine.shutdown()
+
+    # --- introspection ----------------------------------------------------------------------
+
+    def _request_stats(self) -> dict[str, float] | None:
+        if self.engine is None:
+            return None
+        stats = self.engine.stats()
+        for key, baseline in self._warmup_counters.items():
+            stats[key] -= baseline
+        return stats
+
+    def info(self) -> dict[str, Any]:
+        engine = self.engine
+        return {
+            "name": self.manifest.model.name,
+            "version": self.manifest.model.version,
+            "digest": self.digest,
+            "state": self.state,
+            "selections": {kind: report.as_dict() for kind, report in engine.selections.items()} if engine else {},
+            "timings": dict(self.timings),
+            "stats": engine.stats() if engine else None,
+            "max_model_len": engine.max_model_len if engine else None,
+            "requests_in_flight": self.num_in_flight,
+        }
+
+    # --- generation -------------------------------------------------------------------------
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, *,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """One engine request's outputs, with its metrics. Closing the iterator early aborts the request."""
+        assert self.async_engine is not None, "generate() before load()"
+        start = last = time.perf_counter()
+        got_token = False
+        reason = "abort"
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        try:
+            async with aclosing(self.async_engine.generate(prompt_ids, params, request_id=request_id,
+                                                           cache_salt=cache_salt)) as outputs:
+                async for out in outputs:
+                    now = time.perf_counter()
+                    if num_new := len(out.new_token_ids):
+                        if not got_token:
+                            self.metrics.time_to_first_token.observe(now - start)
+                            got_token = True
+                        else:
+                            for _ in range(num_new):
+                                self.metrics.inter_token_latency.observe((now - last) / num_new)
+                        last = now
+                    if out.finished:
+                        reason = out.finish_reason or "stop"
+                    yield out
+        except Exception:
+            reason = "error"
+            raise
+        finally:
+            self.metrics.requests_finished.labels(reason).inc()
+            self.metrics.request_latency.observe(time.perf_counter() - start)
+
+    async def generate_many(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], request_id: str,
+                            *, cache_salt: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run one engine request per prompt concurrently; yield (prompt index, output) as they come.
+
+        Closing the iterator early (client gone) aborts every request still running.
+        """
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+            try:
+                async with aclosing(self.generate(prompts[index], params[index], sub_id,
+                                                  cache_salt=cache_salt)) as outputs:
+                    async for out in outputs:
+                        queue.put_nowait((index, out))
+            except Exception as e:
+                queue.put_nowait((index, e))
+            else:
+                queue.put_nowait((index, None))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    remaining -= 1
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# --- request handling -------------------------------------------------------------------------
+
+
+def _not_serving(state: str) -> ProtocolError:
+    if state == DRAINING:
+        message = "This replica is shutting down and takes no new requests. Retry the request."
+    else:
+        message = "This replica is still loading its model. Retry the request shortly."
+    return service_unavailable(message, retry_after=RETRY_AFTER_SECONDS)
+
+
+def _error_response(error: ProtocolError) -> JSONResponse:
+    return JSONResponse(error.body(), error.status, headers=error.headers())
+
+
+class AdmissionMiddleware:
+    """Admits generation requests only while the replica is ready, and counts those in flight (for the drain)."""
+
+    def __init__(self, app: ASGIApp, replica: Replica) -> None:
+        self.app = app
+        self.replica = replica
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.replica.state != READY:
+            await _error_response(_not_serving(self.replica.state))(scope, receive, send)
+            return
+        self.replica.num_in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.replica.num_in_flight -= 1
+
+
+async def _read_body(request: Request, replica: Replica) -> dict[str, Any] | bytes:
+    """The JSON object the client sent, after the package's preprocess hooks; raw bytes if it is not an object
+    (the protocol layer then says what is wrong with it)."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise invalid_json(str(e)) from None
+    if not isinstance(data, dict):
+        return raw
+    assert replica.engine is not None
+    return replica.engine.plugins.preprocess_request(data, replica.manifest)
+
+
+def _check_adapter(body: GenerationRequest) -> None:
+    name, adapter = body.model_and_adapter
+    if adapter is not None:
+        raise ProtocolError(404, f"The adapter '{adapter}' of model '{name}' does not exist on this replica: "
+                                 f"LoRA adapters are not served yet. Send model '{name}' without ':{adapter}'.",
+                            "model", "model_not_found")
+
+
+def _prompt_ids(replica: Replica, body: CompletionRequest) -> list[list[int]]:
+    engine = replica.engine
+    assert engine is not None
+    batch = []
+    for index, prompt in enumerate(body.prompts()):
+        param = "prompt" if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else f"prompt[{index}]"
+        ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise invalid_request(param, f"Invalid '{param}': it must contain at least one token.")
+        if max(ids) >= engine.vocab_size:
+            raise invalid_request(param, f"Invalid '{param}': token ids must be in [0, {engine.vocab_size}), "
+                                         f"got {max(ids)}.")
+        batch.append(ids)
+    return batch
+
+
+def _chat_prompt_ids(replica: Replica, body: ChatCompletionRequest) -> list[int]:
+    from ember_platform.engine.text.chat_template import ChatTemplateError
+
+    assert replica.engine is not None
+    try:
+        ids = replica.engine.tokenizer.chat_prompt_ids(body.template_messages(), tools=body.template_tools())
+    except ChatTemplateError as e:
+        raise invalid_request("messages", f"Invalid 'messages': {e}.") from None
+    if not ids:
+        raise invalid_request("messages", "Invalid 'messages': the chat template rendered an empty prompt.")
+    return ids
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
+    """Run `work` while watching the client: if it goes first, cancel the work (aborting its engine requests).
+
+    Returns (finished, result).
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return False, None
+    return True, task.result()
+
+
+def _stream_error(e: Exception) -> bytes:
+    if isinstance(e, ProtocolError):
+        return sse(e.body())
+    log.exception("request failed while streaming")
+    return sse(error_body(f"The replica failed while generating: {type(e).__name__}: {e}", "server_error", None,
+                          "internal_error"))
+
+
+async def _events(replica: Replica, stream: ChatStream | CompletionStream, prompts: list[list[int]],
+                  params: list[SamplingParams], cache_salt: str | None) -> AsyncIterator[bytes]:
+    """The SSE body of a streamed response; cancelled (client gone) it aborts the engine requests."""
+    if isinstance(stream, ChatStream):
+        for chunk in stream.start():
+            yield sse(chunk)
+    try:
+        async with aclosing(replica.generate_many(prompts, params, stream.id, cache_salt=cache_salt)) as outputs:
+            async for index, out in outputs:
+                chunks = stream.add(out) if isinstance(stream, ChatStream) else stream.add(out, index)
+                for chunk in chunks:
+                    yield sse(chunk)
+                if stream.done:
+                    break
+    except Exception as e:
+        yield _stream_error(e)
+    yield SSE_DONE
+
+
+async def _generate(request: Request, replica: Replica, data: dict[str, Any] | bytes, prompts: list[list[int]],
+                    params: list[SamplingParams], response_id: str, cache_salt: str | None,
+                    respond: Callable[[list[Generation]], dict[str, Any]]) -> Response:
+    """Run a non-streaming request to the end (or until the client leaves) and build its response."""
+    assert replica.engine is not None
+
+    async def run() -> tuple[list[Generation], list[list[int]]]:
+        generations = [Generation() for _ in prompts]
+        token_ids: list[list[int]] = [[] for _ in prompts]
+        async with aclosing(replica.generate_many(prompts, params, response_id,
+                                                  cache_salt=cache_salt)) as outputs:
+            async for index, out in outputs:
+                generations[index].add(out)
+                token_ids[index] += out.new_token_ids
+        return generations, token_ids
+
+    finished, result = await _unless_disconnected(request, run())
+    if not finished:
+        return Response(status_code=499)  # nobody is listening; the engine already dropped the requests
+    generations, token_ids = result
+    request_dict = data if isinstance(data, dict) else {}
+    for generation, ids in zip(generations, token_ids, strict=True):
+        output = replica.engine.plugins.postprocess_output(
+            {"text": generation.text, "token_ids": ids, "finish_reason": generation.finish_reason},
+            request_dict, replica.manifest)
+        generation.text_parts = [output.get("text", generation.text)]
+        generation.finish_reason = output.get("finish_reason", generation.finish_reason)
+    return JSONResponse(respond(generations))
+
+
+def _sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def create_app(replica: Replica) -> Starlette:
+    """The replica's Starlette app. Generation routes answer 503 until `replica.load()` has run."""
+
+    async def chat_completions(request: Request) -> Response:
+        data = await _read_body(request, replica)
+        body = parse_chat_request(data)
+        _check_adapter(body)
+        prompt = _chat_prompt_ids(replica, body)
+        assert replica.engine is not None
+        params = body.sampling_params_for(len(prompt), replica.engine.max_model_len)
+        response_id = new_chat_completion_id()
+        if body.stream:
+            stream = ChatStream(model=body.model, token_text=replica.token_text, include_usage=body.include_usage,
+                                logprobs=body.wants_logprobs, completion_id=response_id)
+            return _sse_response(_events(replica, stream, [prompt], [params], body.cache_salt))
+        return await _generate(
+            request, replica, data, [prompt], [params], response_id, body.cache_salt,
+            lambda generations: chat_completion(generations[0], model=body.model, token_text=replica.token_text,
+                                                logprobs=body.wants_logprobs, completion_id=response_id))
+
+    async def completions(request: Request) -> Response:
+        data = await _read_body(request, replica)
+        body = parse_completion_request(data)
+        _check_adapter(body)
+        prompts = _prompt_ids(replica, body)
+        assert replica.engine is not None
+        params = [body.sampling_params_for(len(ids), replica.engine.max_model_len) for ids in prompts]
+        response_id = new_completion_id()
+        if body.stream:
+            stream = CompletionStream(model=body.model, token_text=replica.token_text,
+                                      include_usage=body.include_usage, logprobs=body.wants_logprobs,
+                                      completion_id=response_id, num_choices=len(prompts))
+            return _sse_response(_events(replica, stream, prompts, params, body.cache_salt))
+        return await _generate(
+            request, replica, data, prompts, params, response_id, body.cache_salt,
+            lambda generations: text_completion(generations, model=body.model, token_text=replica.token_text,
+                                                logprobs=body.wants_logprobs, completion_id=response_id))
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        return JSONResponse({"status": replica.state}, 200 if replica.state == READY else 503)
+
+    async def metrics(request: Request) -> Response:
+        body, content_type = replica.metrics.render()
+        return Response(body, headers={"Content-Type": content_type})
+
+    async def info(request: Request) -> Response:
+        return JSONResponse(replica.info())
+
+    async def protocol_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ProtocolError)
+        return _error_response(exc)
+
+    async def http_error(request: Request, exc: Exception) -> Response:  # unknown path, wrong method
+        assert isinstance(exc, HTTPException)
+        error = ProtocolError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
+        return JSONResponse(error.body(), exc.status_code, headers=exc.headers)
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, EmberError):  # a package hook or plugin failed: say which, as it said it
+            message = str(exc)
+        else:
+            message = f"The replica failed to handle the request: {type(exc).__name__}: {exc}"
+        return _error_response(ProtocolError(500, message, None, "internal_error"))
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/health", health),
+        Route("/ready", ready),
+        Route("/metrics", metrics),
+        Route("/info", info),
+    ]
+    return Starlette(routes=routes, middleware=[Middleware(AdmissionMiddleware, replica=replica)],
+                     exception_handlers={ProtocolError: protocol_error, HTTPException: http_error,
+                                         Exception: server_error})
