@@ -215,7 +215,10 @@ def test_hook_ember_select_speculator(make_package) -> None:
 def test_hook_ember_select_attention_backend(use_plugins, make_package) -> None:
     use_plugins("techniques")
     manifest, host = load_package(make_package())
-    report = host.select("attention", manifest, CPU)
+    report = host.select("attention", manifest, CPU)  # the built-in auto rule prefers torch on a CPU
+    assert (report.name, report.decided_by) == ("torch", "plugin 'auto' (ember_select_attention_backend)")
+    host = PluginHost(disabled={"attention-torch"})
+    report = host.select("attention", manifest, CPU)  # no rule answers: the plain fallback takes what is installed
     assert (report.name, report.decided_by) == ("fakeattn", "ember's auto fallback")
     pkg = write_hooks(make_package(), "from ember import Selection, hookimpl\n\n@hookimpl\n"
                       "def ember_select_attention_backend(hardware):\n"

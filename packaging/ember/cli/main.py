@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "package_cmds",   # init, build, verify, schema
     "registry_cmds",  # push, pull, ls
     "plugin_cmds",    # plugins, explain
+    "serve_cmds",     # serve, deploy, call, keys
 )
 
 DESCRIPTION = """\

@@ -1,0 +1,174 @@
+"""Launchers start and stop replicas: `LocalProcessLauncher` runs each as a child process on this machine.
+
+The control plane only sees the `Launcher` interface, so a cluster scheduler can take the local launcher's place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("ember.control.launcher")
+
+READY_LINE = "EMBER_REPLICA_READY "
+LOG_TAIL_LINES = 20
+
+
+class LaunchError(Exception):
+    """A replica did not come up: its process exited, or it was not ready in time. The message ends with its log."""
+
+
+@dataclass(eq=False)
+class ReplicaHandle:
+    """What a launcher gives back for a started replica: where it listens, and how to find it again."""
+
+    url: str
+    pid: int | None = None
+    log_path: Path | None = None
+    process: Any = field(default=None, repr=False)  # the launcher's own object (here an asyncio Process)
+
+
+class Launcher(ABC):
+    """Starts replicas of a package directory and stops them again."""
+
+    @abstractmethod
+    async def start(self, package_dir: Path, overrides: Mapping[str, str], *, label: str = "replica") -> ReplicaHandle:
+        """Start a replica and return once it is ready (its weights loaded and warmed up); raise LaunchError."""
+
+    @abstractmethod
+    async def stop(self, handle: ReplicaHandle, graceful: bool = True) -> None:
+        """Stop a replica: gracefully lets it drain (in-flight requests finish), otherwise kills it at once."""
+
+    @abstractmethod
+    def alive(self, handle: ReplicaHandle) -> bool:
+        """Whether the replica's process is still running."""
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that asks Linux to SIGTERM the child when this process dies, so no replica outlives a killed
+    `ember serve`. Resolved here, in the parent, so the child only makes one libc call between fork and exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+
+    return preexec
+
+
+class LocalProcessLauncher(Launcher):
+    """Each replica is `python -m ember_platform.replica --package DIR --port P` in its own session (so Ctrl-C at the
+    terminal reaches only `ember serve`, which drains the replicas itself). Output goes to one log file per replica.
+    """
+
+    def __init__(self, *, log_dir: Path, host: str = "127.0.0.1", python: str = sys.executable,
+                 start_timeout: float = 300.0, drain_timeout: float = 30.0, kill_timeout: float = 10.0) -> None:
+        self.log_dir = Path(log_dir)
+        self.host = host
+        self.python = python
+        self.start_timeout = start_timeout
+        self.drain_timeout = drain_timeout
+        self.kill_timeout = kill_timeout
+        self._pumps: set[asyncio.Task[None]] = set()
+
+    def command(self, package_dir: Path, overrides: Mapping[str, str]) -> list[str]:
+        # Port 0: the replica binds a free port itself and reports it on its ready line (no race for the port).
+        cmd = [self.python, "-m", "ember_platform.replica", "--package", str(package_dir), "--host", self.host,
+               "--port", "0", "--drain-timeout", str(self.drain_timeout)]
+        for key, value in overrides.items():
+            cmd += ["--override", f"{key}={value}"]
+        return cmd
+
+    async def start(self, package_dir: Path, overrides: Mapping[str, str], *, label: str = "replica") -> ReplicaHandle:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{label}.log"
+        cmd = self.command(package_dir, overrides)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(log_path, "ab") as log:
+            log.write(f"$ {' '.join(cmd)}\n".encode())
+            log.flush()
+            process = await asyncio.create_subprocess_exec(
+                *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=log, env=env,
+                start_new_session=True, preexec_fn=_die_with_parent())
+        handle = ReplicaHandle(url="", pid=process.pid, log_path=log_path, process=process)
+        try:
+            handle.url = await asyncio.wait_for(self._read_ready(process, log_path), self.start_timeout)
+        except TimeoutError:
+            await self.stop(handle, graceful=False)
+            raise LaunchError(f"replica of {package_dir} was not ready within {self.start_timeout:.0f} s"
+                              f"{self._tail(log_path)}") from None
+        except BaseException:
+            await self.stop(handle, graceful=False)
+            raise
+        # Keep reading stdout into the log: a full pipe would block the replica.
+        pump = asyncio.create_task(self._pump(process, log_path))
+        self._pumps.add(pump)
+        pump.add_done_callback(self._pumps.discard)
+        logger.info("replica %s ready at %s (pid %s, log %s)", label, handle.url, process.pid, log_path)
+        return handle
+
+    async def _read_ready(self, process: asyncio.subprocess.Process, log_path: Path) -> str:
+        assert process.stdout is not None
+        while True:
+            raw = await process.stdout.readline()
+            if not raw:
+                code = await process.wait()
+                raise LaunchError(f"replica exited with code {code} before it was ready{self._tail(log_path)}")
+            line = raw.decode(errors="replace")
+            with open(log_path, "a") as log:
+                log.write(line)
+            if line.startswith(READY_LINE):
+                return line.removeprefix(READY_LINE).strip().rstrip("/")
+
+    @staticmethod
+    async def _pump(process: asyncio.subprocess.Process, log_path: Path) -> None:
+        assert process.stdout is not None
+        with open(log_path, "ab") as log:
+            while raw := await process.stdout.readline():
+                log.write(raw)
+                log.flush()
+
+    @staticmethod
+    def _tail(log_path: Path) -> str:
+        try:
+            lines = log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        except OSError:
+            return ""
+        return f"; last lines of {log_path}:\n" + "\n".join(f"  {line}" for line in lines) if lines else ""
+
+    async def stop(self, handle: ReplicaHandle, graceful: bool = True) -> None:
+        process: asyncio.subprocess.Process = handle.process
+        if process.returncode is not None:
+            return
+        deadline = time.monotonic() + (self.drain_timeout + self.kill_timeout if graceful else 0)
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM if graceful else signal.SIGKILL)
+        try:
+            await asyncio.wait_for(process.wait(), max(deadline - time.monotonic(), self.kill_timeout))
+        except TimeoutError:
+            logger.warning("replica pid %s did not exit after SIGTERM; killing it", process.pid)
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.wait(), self.kill_timeout)
+
+    def alive(self, handle: ReplicaHandle) -> bool:
+        process: asyncio.subprocess.Process = handle.process
+        return process.returncode is None

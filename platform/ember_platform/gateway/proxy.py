@@ -1,0 +1,193 @@
+"""Forward a request to a ready replica and stream its response back unchanged, chunk by chunk.
+
+The replica is picked by a `ReplicaChooser` (round robin for now). A replica that answers 503 or cannot be reached
+before any byte came back is skipped for another ready one. A client that disconnects closes the upstream stream,
+which the replica sees as a disconnect and aborts the request (freeing its KV blocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import httpx
+
+from ember_platform.control.deployments import Deployment, Replica
+from ember_platform.control.plane import ControlPlane, NoReplicaAvailable
+from ember_platform.gateway.errors import ProtocolError
+from ember_platform.gateway.metrics import GatewayMetrics
+
+logger = logging.getLogger("ember.gateway")
+
+# Not forwarded either way: hop-by-hop headers, and the ones uvicorn writes itself.
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                         "transfer-encoding", "upgrade", "server", "date"})
+_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
+              httpx.WriteError)
+DEFAULT_RETRY_AFTER_S = 2.0
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away; never sent, only counted
+
+
+class ReplicaChooser(Protocol):
+    """Picks the replica for one request among the ready ones (the KV-aware router takes this place)."""
+
+    def choose(self, deployment: Deployment, candidates: Sequence[Replica], body: bytes) -> Replica: ...
+
+
+class RoundRobin:
+    def __init__(self) -> None:
+        self._counters: dict[str, itertools.count[int]] = {}
+
+    def choose(self, deployment: Deployment, candidates: Sequence[Replica], body: bytes) -> Replica:
+        counter = self._counters.setdefault(deployment.name, itertools.count())
+        return candidates[next(counter) % len(candidates)]
+
+
+class Proxy:
+    def __init__(self, plane: ControlPlane, metrics: GatewayMetrics, *, chooser: ReplicaChooser | None = None,
+                 connect_timeout: float = 5.0) -> None:
+        self.plane = plane
+        self.metrics = metrics
+        self.chooser = chooser or RoundRobin()
+        self.connect_timeout = connect_timeout
+        # Streams hold their connection for as long as they run: no pool limit, the replicas queue themselves.
+        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def forward(self, name: str, path: str, body: bytes, *, request_id: str, endpoint: str,
+                      received_at: float, receive: Callable) -> UpstreamResponse | None:
+        """Open `path` on a replica of deployment NAME; raises ControlError subclasses when none can take it.
+
+        Returns None when the client left first: while the request waited for a replica, or for the response
+        headers (which a replica sends only at the end of an answer that is not streamed); the request is then
+        cancelled, which closes its connection to the replica, which aborts it.
+        """
+        opening = asyncio.ensure_future(self._open(name, path, body, request_id, endpoint, received_at))
+        watch = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({opening, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not opening.done():
+                opening.cancel()
+            await asyncio.gather(opening, watch, return_exceptions=True)
+        if opening.cancelled():
+            logger.info("client left before the response of %s started; request cancelled", name)
+            self.metrics.count(name, endpoint, CLIENT_CLOSED)
+            return None
+        return opening.result()
+
+    async def _open(self, name: str, path: str, body: bytes, request_id: str, endpoint: str,
+                    received_at: float) -> UpstreamResponse:
+        tried: set[str] = set()
+        retry_after: float | None = None
+        candidates = await self.plane.acquire(name)  # waits in the bounded queue, cold-starts if scaled to zero
+        while True:
+            dep = self.plane.get(name)
+            replica = self.chooser.choose(dep, candidates, body)
+            tried.add(replica.id)
+            request = self.client.build_request(
+                "POST", f"{replica.url}{path}", content=body,
+                headers={"content-type": "application/json", "x-request-id": request_id},
+                timeout=httpx.Timeout(dep.request_timeout, connect=self.connect_timeout))
+            replica.in_flight += 1
+            sent = time.monotonic()
+            try:
+                response = await self.client.send(request, stream=True)
+            except _RETRYABLE as e:
+                replica.in_flight -= 1
+                logger.warning("%s: replica %s at %s unreachable (%s); trying another", name, replica.id,
+                               replica.url, e)
+                self.plane.report_unreachable(dep, replica)
+                response = None
+            except httpx.TimeoutException:
+                replica.in_flight -= 1
+                raise ProtocolError(504, f"The replica of '{name}' did not answer within the model's request "
+                                         f"timeout ({dep.request_timeout:.0f} s).", None, "upstream_timeout") from None
+            except httpx.HTTPError as e:
+                replica.in_flight -= 1
+                raise ProtocolError(502, f"The replica of '{name}' failed: {type(e).__name__}: {e}", None,
+                                    "upstream_error", type="server_error") from None
+            except BaseException:
+                replica.in_flight -= 1
+                raise
+            if response is not None and response.status_code == 503:
+                retry_after = _retry_after(response) or retry_after
+                await response.aclose()
+                replica.in_flight -= 1
+                self.plane.report_unavailable(dep, replica)
+                response = None
+            if response is not None:
+                self.metrics.upstream_latency.labels(name).observe(time.monotonic() - sent)
+                return UpstreamResponse(response, replica, self._finisher(name, endpoint, replica, received_at))
+            self.metrics.upstream_retries.labels(name).inc()
+            candidates = [r for r in self.plane.get(name).ready_replicas() if r.id not in tried]
+            if not candidates:
+                raise NoReplicaAvailable(
+                    f"No replica of '{name}' can take the request now: the replicas tried are draining or "
+                    f"unreachable. Please retry shortly.", retry_after=retry_after or DEFAULT_RETRY_AFTER_S)
+
+    def _finisher(self, name: str, endpoint: str, replica: Replica, received_at: float) -> Callable[[int], None]:
+        def finish(status: int) -> None:
+            replica.in_flight -= 1
+            replica.served += 1
+            self.metrics.count(name, endpoint, status)
+            self.metrics.request_duration.labels(name).observe(time.monotonic() - received_at)
+
+        return finish
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    try:
+        return float(response.headers["retry-after"])
+    except (KeyError, ValueError):
+        return None
+
+
+class UpstreamResponse:
+    """An ASGI response that relays an open httpx stream as it arrives, and closes it when the client leaves."""
+
+    def __init__(self, upstream: httpx.Response, replica: Replica, on_finish: Callable[[int], None]) -> None:
+        self.upstream = upstream
+        self.replica = replica
+        self.on_finish = on_finish
+        self.status_code = upstream.status_code
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        headers = [(k, v) for k, v in self.upstream.headers.raw if k.decode("latin-1").lower() not in _HOP_BY_HOP]
+        relay = asyncio.ensure_future(self._relay(send, headers))
+        watch = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({relay, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if watch.done() and not relay.done():
+                logger.info("client left; closing the stream from replica %s", self.replica.id)
+                relay.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await relay  # re-raises an upstream error that happened mid-stream
+        except (httpx.HTTPError, OSError) as e:
+            # Headers may be out already: all that is left is to cut the response short, which the client sees.
+            logger.warning("stream from replica %s broke off: %s", self.replica.id, e)
+        finally:
+            for task in (relay, watch):
+                task.cancel()
+            await asyncio.gather(relay, watch, return_exceptions=True)
+            await self.upstream.aclose()  # before the whole response arrived, this closes the connection
+            self.on_finish(self.status_code)
+
+    async def _relay(self, send: Callable, headers: list[tuple[bytes, bytes]]) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
+        async for chunk in self.upstream.aiter_raw():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _wait_for_disconnect(receive: Callable) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,152 @@
+"""`ember serve`: the gateway, the control plane and local replica processes on one machine, with embedded defaults
+(a local registry, in-process routing). Ctrl-C or SIGTERM drains the replicas and exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import uvicorn
+
+from ember.errors import EmberError
+from ember.registry import BlobCache, open_registry, push_package, short_digest
+from ember_platform.control.home import serve_home
+from ember_platform.control.launcher import LocalProcessLauncher
+from ember_platform.control.plane import ControlPlane
+from ember_platform.gateway.app import create_app
+from ember_platform.gateway.auth import ADMIN_KEY_ENV, Authenticator, KeyStore
+
+logger = logging.getLogger("ember.serve")
+
+READY_LINE = "EMBER_SERVE_READY"
+REDIS_REFUSED = "Redis routing tables arrive with the routing issue; omit --redis-url"
+GRACEFUL_SHUTDOWN_S = 30.0
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn re-raises a caught SIGTERM after shutting down, which would end the process with -15: here Ctrl-C
+        # and SIGTERM both mean "drain and exit 0".
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Listen before anything starts, so a taken port is an error up front (and port 0 picks a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise EmberError(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --port") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _authenticator(home: Path, no_auth: bool, host: str, say: Callable[[str], None]) -> Authenticator | None:
+    if no_auth:
+        exposed = "" if host in LOOPBACK else f" — and {host} is reachable from other machines"
+        say(f"WARNING: --no-auth: anyone who can reach this server can call and administer every model{exposed}. "
+            "Use it for local development only.")
+        return None
+    store = KeyStore(home / "keys.json")
+    if not os.environ.get(ADMIN_KEY_ENV):
+        key = store.ensure_admin_key()
+        if key is not None:
+            say(f"admin key (shown only now; stored hashed in {store.path}): {key}")
+    if not any(not r.admin for r in store.records()):
+        say("no API keys yet: create one with `ember keys create` (the admin key works too)")
+    return Authenticator.from_env(store)
+
+
+def serve(package_dirs: Sequence[Path] = (), *, host: str = "127.0.0.1", port: int = 8000,
+          registry_url: str | None = None, endpoint_url: str | None = None, no_auth: bool = False,
+          redis_url: str | None = None, log_level: str = "info", say: Callable[[str], None] | None = None) -> int:
+    """Build and push each package dir, then serve until interrupted, deploying them once the gateway listens.
+
+    Prints `EMBER_SERVE_READY http://HOST:PORT` when every package's replicas are ready. Returns the exit code.
+    """
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    if redis_url:
+        raise EmberError(REDIS_REFUSED)
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                        format="%(levelname)s:     %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness probe otherwise
+    home = serve_home()
+    home.mkdir(parents=True, exist_ok=True)
+    registry = open_registry(registry_url, endpoint_url)
+    references = []
+    for package_dir in package_dirs:  # a broken package fails here, before anything listens
+        pushed = push_package(package_dir, registry)
+        references.append(pushed.lock.reference)
+        say(f"pushed {pushed.lock.reference} ({short_digest(pushed.lock.digest)}) to {registry.url}")
+    authenticator = _authenticator(home, no_auth, host, say)
+    sock = bind(host, port)
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
+
+    plane = ControlPlane(registry, packages_dir=home / "packages", cache=BlobCache.default(),
+                         launcher=LocalProcessLauncher(log_dir=home / "logs"))
+    state: dict[str, object] = {"ready": False, "failed": None}
+    server: _Server | None = None
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def deploy_all() -> None:
+        for _ in range(600):  # the gateway answers as soon as it listens; deployments come up behind it
+            if server is not None and server.started:
+                break
+            await asyncio.sleep(0.05)
+        try:
+            await asyncio.gather(*(plane.deploy(reference) for reference in references))
+        except Exception as e:
+            logger.error("could not deploy: %s", e)
+            state["failed"] = e
+            assert server is not None
+            server.should_exit = True
+            return
+        state["ready"] = True
+        models = ", ".join(references) or "no models yet (deploy with `ember deploy NAME`)"
+        say(f"serving {models} at {url} (replica logs: {home / 'logs'})")
+        print(f"{READY_LINE} {url}", flush=True)
+
+    async def on_startup() -> None:
+        task = asyncio.create_task(deploy_all())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    app = create_app(plane, authenticator=authenticator, ready=lambda: bool(state["ready"]), on_startup=on_startup)
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = _Server(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if state["failed"] is not None:
+        return 1
+    say("stopped: every replica drained")
+    return 0
+
+
+if __name__ == "__main__":
+    from ember.cli.main import main
+
+    sys.exit(main(["serve", *sys.argv[1:]]))

@@ -1,0 +1,178 @@
+"""The control plane on its own: a local registry, the blob cache, and real replica processes started by the
+LocalProcessLauncher (no gateway)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from ember.registry import BlobCache, LocalRegistry, push_package
+from ember_platform.control.deployments import ReplicaState
+from ember_platform.control.launcher import LocalProcessLauncher
+from ember_platform.control.plane import (
+    Conflict,
+    ControlPlane,
+    DeployError,
+    DeploymentNotFound,
+    NoReplicaAvailable,
+    VersionNotFound,
+)
+
+REPO = Path(__file__).resolve().parents[3]
+EXAMPLE = REPO / "examples" / "tiny-llama"
+T = TypeVar("T")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_per_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def run(coro: Awaitable[T], timeout: float = 180) -> T:
+    return asyncio.run(asyncio.wait_for(coro, timeout))  # type: ignore[arg-type]
+
+
+async def until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def scale_to_zero_copy(dest: Path) -> Path:
+    """tiny-llama without prewarm: deploying it starts nothing until a request comes."""
+    shutil.copytree(EXAMPLE, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    manifest = dest / "ember.toml"
+    manifest.write_text(manifest.read_text().replace("prewarm = true", "prewarm = false"))
+    return dest
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> LocalRegistry:
+    registry = LocalRegistry(tmp_path / "registry")
+    push_package(scale_to_zero_copy(tmp_path / "pkg"), registry)
+    push_package(tmp_path / "pkg", registry, version="0.2.0")
+    return registry
+
+
+def make_plane(tmp_path: Path, registry: LocalRegistry, packages: str = "packages") -> ControlPlane:
+    return ControlPlane(registry, packages_dir=tmp_path / packages, cache=BlobCache(tmp_path / "cache"),
+                        launcher=LocalProcessLauncher(log_dir=tmp_path / "logs", drain_timeout=5),
+                        probe_interval=0.2)
+
+
+def test_a_version_is_pulled_once_through_the_blob_cache(tmp_path: Path, registry: LocalRegistry) -> None:
+    async def scenario() -> None:
+        first = make_plane(tmp_path, registry)
+        await first.start()
+        dep = await first.deploy("tiny-llama:0.1.0")
+        pull = dep.active.pull
+        assert dep.active.package_dir == tmp_path / "packages" / "tiny-llama" / "0.1.0"
+        assert (dep.active.package_dir / "ember.lock").is_file()
+        assert not pull.reused and pull.blobs_downloaded > 0 and pull.downloaded_bytes > 7_000_000
+        assert dep.replicas == [] and dep.desired == 0  # scaled to zero: nothing started
+        await first.shutdown()
+
+        again = make_plane(tmp_path, registry)  # the same packages dir: nothing to pull
+        await again.start()
+        assert (await again.deploy("tiny-llama:0.1.0")).active.pull.reused
+        await again.shutdown()
+
+        fresh = make_plane(tmp_path, registry, packages="packages-2")  # a new dir, the same blob cache
+        await fresh.start()
+        pull = (await fresh.deploy("tiny-llama")).active.pull
+        assert not pull.reused and pull.blobs_downloaded == 0 and pull.blobs_from_cache > 0
+        await fresh.shutdown()
+
+    run(scenario())
+
+
+def test_versions_promote_and_rollback_are_checked(tmp_path: Path, registry: LocalRegistry) -> None:
+    async def scenario() -> None:
+        plane = make_plane(tmp_path, registry)
+        await plane.start()
+        try:
+            dep = await plane.deploy("tiny-llama:0.1.0")
+            with pytest.raises(Conflict, match="no earlier version"):
+                await plane.rollback("tiny-llama")
+            await plane.deploy("tiny-llama:0.2.0")
+            assert (dep.active_version, dep.history) == ("0.2.0", ["0.1.0"])
+            with pytest.raises(VersionNotFound, match=r"ember deploy tiny-llama:0\.3\.0"):
+                await plane.promote("tiny-llama", "0.3.0")
+            await plane.rollback("tiny-llama")
+            assert (dep.active_version, dep.history) == ("0.1.0", [])
+            await plane.promote("tiny-llama", "0.2.0")
+            assert (dep.active_version, dep.history) == ("0.2.0", ["0.1.0"])
+            with pytest.raises(DeploymentNotFound, match="tiny-llama"):
+                plane.get("other")
+            await plane.delete("tiny-llama")
+            assert plane.names() == []
+        finally:
+            await plane.shutdown()
+
+    run(scenario())
+
+
+def test_cold_start_then_a_dead_replica_is_replaced_and_delete_stops_it(tmp_path: Path,
+                                                                        registry: LocalRegistry) -> None:
+    async def scenario() -> None:
+        plane = make_plane(tmp_path, registry)
+        await plane.start()
+        try:
+            dep = await plane.deploy("tiny-llama:0.1.0")
+            # The first request starts a replica; one that cannot wait long enough gets a retry hint.
+            with pytest.raises(NoReplicaAvailable) as caught:
+                await plane.acquire("tiny-llama", timeout=0.1)
+            assert caught.value.retry_after and "starting" in caught.value.message
+            [replica] = await plane.acquire("tiny-llama")
+            assert replica.state is ReplicaState.READY and dep.desired == 1
+            assert replica.url and replica.url.startswith("http://127.0.0.1:")
+
+            assert replica.handle is not None and replica.handle.pid is not None
+            os.kill(replica.handle.pid, signal.SIGKILL)
+            [replacement] = await until(lambda: [r for r in dep.ready_replicas() if r is not replica], 60,
+                                        "a replacement replica")
+            assert replica.state is ReplicaState.DEAD and replica not in dep.replicas
+            assert any(f"replica {replica.id} (0.1.0) exited by itself (code -9)" in e for e in dep.events)
+
+            # A new version whose replicas cannot start changes nothing.
+            with pytest.raises(DeployError, match="unknown engine option 'no_such_option'"):
+                await plane.deploy("tiny-llama:0.2.0", overrides={"no_such_option": "1"})
+            assert dep.active_version == "0.1.0" and dep.overrides == {} and sorted(dep.versions) == ["0.1.0"]
+            assert dep.ready_replicas() == [replacement]
+
+            assert replacement.handle is not None
+            await plane.delete("tiny-llama")
+            assert replacement.handle.process.returncode == 0  # drained, then exited by itself
+            with pytest.raises(DeploymentNotFound):
+                await plane.acquire("tiny-llama")
+        finally:
+            await plane.shutdown()
+
+    run(scenario())
+
+
+def test_a_first_deploy_that_cannot_start_leaves_nothing_behind(tmp_path: Path, registry: LocalRegistry) -> None:
+    async def scenario() -> None:
+        plane = make_plane(tmp_path, registry)
+        await plane.start()
+        try:
+            with pytest.raises(DeployError) as caught:
+                await plane.deploy("tiny-llama:0.1.0", min_replicas=1, overrides={"no_such_option": "1"})
+            message = str(caught.value)
+            assert "exited with code 2 before it was ready" in message and "last lines of" in message
+            assert plane.names() == []
+        finally:
+            await plane.shutdown()
+
+    run(scenario())
