@@ -37,7 +37,7 @@ TARGET = 1.5
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default 64)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default 128, --quick 32)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default 128, --quick 16)")
     parser.add_argument("--dtype", default="bfloat16", help="compute dtype of both sides (default bfloat16)")
 
 
@@ -45,7 +45,7 @@ def main() -> None:
     args = parse_args(__doc__.split("\n\n")[0], default_model=LARGE_MODEL, extra=add_flags)
     from ember_platform import LLM
 
-    max_tokens = args.max_tokens or (32 if args.quick else 128)
+    max_tokens = args.max_tokens or (16 if args.quick else 128)
     base = LLM(args.model, dtype=args.dtype).engine
     int8 = LLM(args.model, dtype=args.dtype, quantization="int8").engine
     prompt = code_tokens(base.tokenizer, args.prompt_len)

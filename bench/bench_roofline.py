@@ -46,7 +46,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default="bfloat16,int8,float32",
                         help=f"comma-separated, of {', '.join(CONFIGS)} (default: all three)")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default 64)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default 128, --quick 32)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default 128, --quick 16)")
     parser.add_argument("--bandwidth-mib", type=int, default=None, help="test tensor size (default 1024, --quick 256)")
 
 
@@ -109,7 +109,7 @@ def main() -> None:
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:
         raise SystemExit(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
-    max_tokens = args.max_tokens or (32 if args.quick else 128)
+    max_tokens = args.max_tokens or (16 if args.quick else 128)
     size = (args.bandwidth_mib or (256 if args.quick else 1024)) * 2**20
     engines = {name: LLM(args.model, **CONFIGS[name]).engine for name in names}
     prompt = code_tokens(next(iter(engines.values())).tokenizer, args.prompt_len)

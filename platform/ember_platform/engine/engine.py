@@ -39,6 +39,7 @@ log = logging.getLogger("ember.engine")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_KV_CACHE_DEFAULT_GB = 4.0  # like vLLM's CPU backend: a fixed budget, since host RAM is shared
+NATIVE_BF16_CPU_FEATURES = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
 @dataclass(slots=True)
@@ -66,7 +67,8 @@ class LLMEngine:
         self.selections: dict[str, SelectionReport] = self.plugins.select_all(manifest, self.hardware)
         self.device = torch.device("cuda" if self.hardware.is_cuda else "cpu")
         self.hf_config = read_hf_config(source.weights_dir)
-        self.dtype = resolve_dtype(manifest.runtime.dtype, self.hf_config, self.device)
+        self.dtype = resolve_dtype(manifest.runtime.dtype, self.hf_config, self.device,
+                                   native_bf16=bool(self.hardware.cpu_features & NATIVE_BF16_CPU_FEATURES))
 
         attention = self._technique("attention")
         self.model = build_model(self.hf_config, attention, self.dtype, self.device)
@@ -192,6 +194,9 @@ class LLMEngine:
         sampled_tokens = self._sample(result)
         for req, n in zip(batch.requests, batch.num_tokens, strict=True):
             req.num_computed_tokens += n
+            # Register full computed blocks now: a request that finishes this step frees them in _append,
+            # and its prompt must still be in the prefix cache for the next request.
+            self.kv.cache_blocks(req)
         for req, new_tokens in zip(result.sampled, sampled_tokens, strict=True):
             out = self._append(req, new_tokens)
             if out is not None:
@@ -344,11 +349,14 @@ def kv_cache_shape(hf_config: dict[str, Any]) -> tuple[int, int, int]:
     return int(hf_config["num_hidden_layers"]), int(hf_config.get("num_key_value_heads") or heads), head_dim
 
 
-def resolve_dtype(name: str, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, hf_config: dict[str, Any], device: torch.device, *,
+                  native_bf16: bool = True) -> torch.dtype:
+    """The compute dtype: the manifest's choice, or for "auto" the checkpoint's own dtype, adjusted to
+    what the device computes fast (CPUs without bf16 instructions emulate it several times slower than fp32)."""
     if name != "auto":
         return _DTYPES[name]
     checkpoint = str(hf_config.get("dtype") or hf_config.get("torch_dtype") or "bfloat16").removeprefix("torch.")
     dtype = _DTYPES.get(checkpoint, torch.bfloat16)
-    if device.type == "cpu" and dtype == torch.float16:
-        return torch.bfloat16  # fp16 matmuls on CPU are slow and overflow-prone
+    if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
+        return torch.bfloat16 if native_bf16 else torch.float32
     return dtype

@@ -85,6 +85,23 @@ def test_prefix_cache_hit_skips_prefill() -> None:
     assert second.usage.cached_tokens == (len(shared) // 16) * 16
 
 
+def test_prompt_of_a_request_finished_in_its_prefill_step_is_cached() -> None:
+    llm = LLM(EXAMPLE)
+    shared = prompts(1, seed=4, shared=0)[0] * 2
+    llm.generate([[*shared, 1]], SamplingParams(temperature=0, max_tokens=1))  # finishes in the prefill step
+    hit = llm.generate([[*shared, 2]], GREEDY)[0]
+    assert hit.usage.cached_tokens == (len(shared) // 16) * 16 > 0
+
+
+def test_auto_dtype_on_cpu_follows_bf16_support() -> None:
+    from ember_platform.engine.engine import resolve_dtype
+
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", {"dtype": "bfloat16"}, cpu, native_bf16=False) == torch.float32
+    assert resolve_dtype("auto", {"dtype": "bfloat16"}, cpu, native_bf16=True) == torch.bfloat16
+    assert resolve_dtype("bfloat16", {"dtype": "float32"}, cpu, native_bf16=False) == torch.bfloat16
+
+
 def test_seeded_sampling_reproduces_in_any_batch() -> None:
     llm = LLM(EXAMPLE)
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=16)
