@@ -1,11 +1,13 @@
-"""examples/tiny-llama: the committed package loads, builds, and its checkpoint works with transformers
-and with the plain tokenizers + jinja2 stack the engine uses."""
+"""examples/tiny-llama: the committed package loads, builds, its checkpoint works with transformers and
+with the plain tokenizers + jinja2 stack the engine uses, and its model learned some Python."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import shutil
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -35,7 +37,11 @@ def make_script() -> ModuleType:
     spec = importlib.util.spec_from_file_location("make_tiny_llama", EXAMPLES / "make_tiny_llama.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
     return module
 
 
@@ -50,10 +56,11 @@ def test_manifest_loads() -> None:
 def test_package_builds_and_verifies(package_copy: Path) -> None:
     lock = build_package(package_copy)
     assert sorted(f.path for f in lock.files) == [
-        "README.md", "ember.toml", "hooks.py", "weights/config.json", "weights/generation_config.json",
-        "weights/model.safetensors", "weights/tokenizer.json", "weights/tokenizer_config.json",
+        "README.md", "ember.toml", "hooks.py", "training.json", "weights/config.json",
+        "weights/generation_config.json", "weights/model.safetensors", "weights/tokenizer.json",
+        "weights/tokenizer_config.json",
     ]
-    assert lock.total_size < 10 * 2**20
+    assert lock.total_size < 25 * 2**20
     assert verify_package(package_copy).digest == lock.digest
 
 
@@ -67,8 +74,8 @@ def test_hooks_load_and_keep_requests(package_copy: Path) -> None:
 
 def test_generated_text_files_match_the_script(make_script: ModuleType, tmp_path: Path) -> None:
     """The script is the source of these files; an edit made only in the package would be lost."""
-    make_script.write_package_files(tmp_path)
-    for name in ("ember.toml", "hooks.py", "README.md"):
+    make_script.write_package_files(tmp_path, json.loads((PACKAGE / "training.json").read_text()))
+    for name in ("ember.toml", "hooks.py", "README.md", "training.json"):
         assert (tmp_path / name).read_text() == (PACKAGE / name).read_text(), name
 
 
@@ -87,7 +94,9 @@ def test_weights_load_with_transformers() -> None:
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(WEIGHTS)
     assert type(model).__name__ == "LlamaForCausalLM"
-    assert 300_000 <= sum(p.numel() for p in model.parameters()) <= 2_000_000
+    num_params = sum(p.numel() for p in model.parameters())
+    assert 1_000_000 <= num_params <= 6_000_000
+    assert num_params == json.loads((PACKAGE / "training.json").read_text())["model"]["num_parameters"]
     assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
     with torch.no_grad():
         logits = model(torch.tensor([[0, 5, 6, 7]])).logits
@@ -132,3 +141,34 @@ def test_tokenizer_and_template_work_without_transformers() -> None:
     rendered = template.render(messages=MESSAGES, add_generation_prompt=True,
                                bos_token=tokenizer_config["bos_token"])
     assert rendered == CHATML
+
+
+def test_training_record_has_a_held_out_loss() -> None:
+    training = json.loads((PACKAGE / "training.json").read_text())
+    held_out = training["held_out"]
+    # Trained: far below a uniform guess over the vocabulary (ln 4096 = 8.3 nats) or the training text's token
+    # frequencies (6.6), and about as good as a bigram table (4.55) or better.
+    assert 0 < held_out["loss"] < 4.6
+    assert held_out["perplexity"] == pytest.approx(math.exp(held_out["loss"]), rel=1e-3)
+    assert training["training"]["steps"] > 0 and training["training"]["tokens_seen"] > 0
+    assert training["data"]["held_out_files"] > 0 and training["evaluations"][0]["step"] == 0
+    assert list(training["samples"]) == ["def fibonacci(n):", "import os", "class Stack:\n    def __init__(self):"]
+
+
+def test_held_out_split_is_by_whole_file_and_stable(make_script: ModuleType) -> None:
+    train, held_out = make_script.training_files()
+    assert held_out and not set(train) & set(held_out)
+    assert 0.005 < len(held_out) / (len(train) + len(held_out)) < 0.05
+    assert [make_script.is_held_out(p) for p in ("functools.py", "os.py")] == [True, False]
+
+
+def test_greedy_continuation_looks_like_python() -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(WEIGHTS)
+    model = transformers.AutoModelForCausalLM.from_pretrained(WEIGHTS, dtype=torch.float32)
+    inputs = tokenizer("def ", return_tensors="pt")
+    with torch.inference_mode():
+        output = model.generate(**inputs, do_sample=False, max_new_tokens=24, pad_token_id=tokenizer.pad_token_id)
+    text = tokenizer.decode(output[0, inputs.input_ids.shape[1]:], skip_special_tokens=True)
+    assert any(s in text for s in ("(", ":", "return", "\n    ")), text
