@@ -47,6 +47,8 @@ from typing import Any
 
 from common import EXAMPLE_MODEL, emit, environment, median, parse_args, print_table, random_code_tokens, spread
 
+from ember_platform.control.launcher import die_with_parent
+
 TARGET = 0.9  # gateway tokens/s over in-process tokens/s: at most 10% lost
 SEED = 1234
 PROMPT_LEN = (16, 256)
@@ -70,19 +72,6 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 
 # --- the server --------------------------------------------------------------------------------
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn: Linux sends the child SIGTERM if this process dies before it could stop it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 class Server:
@@ -113,7 +102,7 @@ class Server:
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
                                          text=True, env=self.env(), cwd=self.workdir, start_new_session=True,
-                                         preexec_fn=_die_with_parent())
+                                         preexec_fn=die_with_parent())
         threading.Thread(target=self._read_stdout, name="serve-stdout", daemon=True).start()
 
     def _read_stdout(self) -> None:

@@ -54,7 +54,7 @@ class Launcher(ABC):
         """Whether the replica's process is still running."""
 
 
-def _die_with_parent() -> Callable[[], None] | None:
+def die_with_parent() -> Callable[[], None] | None:
     """A preexec_fn that asks Linux to SIGTERM the child when this process dies, so no replica outlives a killed
     `ember serve`. Resolved here, in the parent, so the child only makes one libc call between fork and exec."""
     if not sys.platform.startswith("linux"):
@@ -106,7 +106,7 @@ class LocalProcessLauncher(Launcher):
             log.flush()
             process = await asyncio.create_subprocess_exec(
                 *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=log, env=env,
-                start_new_session=True, preexec_fn=_die_with_parent())
+                start_new_session=True, preexec_fn=die_with_parent())
         handle = ReplicaHandle(url="", pid=process.pid, log_path=log_path, process=process)
         try:
             handle.url = await asyncio.wait_for(self._read_ready(process, log_path), self.start_timeout)

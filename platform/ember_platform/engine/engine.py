@@ -183,11 +183,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        waiting_before = list(self.scheduler.waiting)
         batch = self.scheduler.schedule()
-        for req in waiting_before:  # requests the scheduler refused for good (too long for the pool)
-            if req.status.finished and req.request_id in self._states:
-                outputs.append(self._finish_output(req, []))
+        outputs.extend(self._finish_output(req, []) for req in batch.refused)
         if not batch.requests:
             return outputs
         result = self.runner.execute(batch)

@@ -26,6 +26,7 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    refused: list[Request] = field(default_factory=list)  # finished unscheduled: too long for the whole pool
 
     @property
     def total_tokens(self) -> int:
@@ -114,8 +115,8 @@ class Scheduler:
             if not self.kv.allocate_slots(req, num_new, hits):
                 if not self.running and self.kv.blocks_needed(req.num_tokens) > self.kv.num_blocks:
                     self.waiting.popleft()  # can never fit, even alone: fail it rather than stall
-                    req.status = RequestStatus.WAITING
                     self.finish(req, RequestStatus.FINISHED_LENGTH)
+                    batch.refused.append(req)
                     continue
                 break
             self.waiting.popleft()
