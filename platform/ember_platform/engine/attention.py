@@ -5,11 +5,14 @@ build on. One engine step runs the model over a flattened batch of T tokens from
 each request contributes a contiguous run of query tokens (a prefill chunk, one decode token, or
 1 + k speculative tokens) which are the *last* `query_lens[i]` positions of its context.
 
-KV cache layout, per layer: a pair `(k_cache, v_cache)`, each `[num_blocks, block_size,
-num_kv_heads, head_dim]`. Token at context position `p` of request `i` lives in block
-`block_tables[i, p // block_size]` at offset `p % block_size`. The engine allocates caches with
-`torch.zeros`: backends may read (and mask out) slots past a sequence's end, and a NaN left in
-never-written memory would survive the mask (0 * NaN = NaN).
+KV cache layout, per layer: a pair `(k_cache, v_cache)`, each `[num_blocks, num_kv_heads,
+block_size, head_dim]` ("HND", as vLLM's CPU and FlashInfer's HND layouts): a block is one
+contiguous run of memory (the unit that prefix caching shares and KV tiers move), and within it
+each KV head's keys are contiguous, so a gathered block is ready for a batched matmul per head.
+Token at context position `p` of request `i` lives in block `block_tables[i, p // block_size]`
+at offset `p % block_size`; `write_kv` stores a step's new K/V there. The engine allocates
+caches with `torch.zeros`: backends may read (and mask out) slots past a sequence's end, and a
+NaN left in never-written memory would survive the mask (0 * NaN = NaN).
 """
 
 from __future__ import annotations
@@ -21,6 +24,21 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def kv_cache_block_shape(block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """The shape of one cache block (per layer, K or V): the layout every backend reads."""
+    return (num_kv_heads, block_size, head_dim)
+
+
+def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new keys and values k, v ([T, Hkv, D]) at their slots (block_id * block_size + offset)."""
+    k_cache, v_cache = kv_cache
+    block_size = k_cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    # Advanced indices split by a slice put the indexed dim first: cache[blocks, :, offsets] is [T, Hkv, D].
+    k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
 
 
 @dataclass(slots=True)

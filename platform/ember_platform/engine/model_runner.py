@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ember_platform.engine.attention import AttentionMetadata, KVCache
+from ember_platform.engine.attention import AttentionMetadata, KVCache, kv_cache_block_shape
 from ember_platform.engine.request import Request
 from ember_platform.engine.scheduler import ScheduledBatch
 
@@ -30,7 +30,7 @@ class ForwardResult:
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype, device: torch.device) -> list[KVCache]:
     # zeros, not empty: backends may read (masked) slots past a sequence's end; NaN * 0 = NaN.
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (num_blocks, *kv_cache_block_shape(block_size, num_kv_heads, head_dim))
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)]
 

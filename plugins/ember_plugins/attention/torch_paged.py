@@ -1,10 +1,16 @@
 """Paged attention in plain PyTorch, for CPU and CUDA: the portable "torch" backend.
 
-Requests with short query runs (decode, speculative 1 + k tokens) go through one batched kernel
-that reads the cache a chunk of blocks at a time through the block tables, for all requests at
-once, and merges chunks with an online softmax in float32 (flash-decoding style): no request's
-context is ever copied out whole. Requests with long query runs (prefill chunks) are few per step
-and compute-bound, so each gathers its own context once and runs SDPA with an offset causal mask.
+Requests with short query runs (decode, speculative 1 + k tokens, tiny prefill chunks) share one
+batched path over a *ragged* list of (request, block) pairs: every block any of them reads is
+gathered once, scores come from one batched matmul per step and layer, and a request's blocks
+are merged with an exact softmax (a per-request maximum, then sums per request). Nothing is
+padded to the batch's longest context and no request's context is copied out whole; long
+contexts are processed a bounded number of blocks at a time. Requests with long query runs
+(prefill chunks) are few per step and compute-bound, so each gathers its own context once and
+runs SDPA with an offset causal mask.
+
+Cache layout (see `ember_platform.engine.attention`): `[num_blocks, num_kv_heads, block_size,
+head_dim]`, so a gathered block is already head-major and scores need no transposing copy.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ember_platform.engine.attention import AttentionMetadata, KVCache
+from ember_platform.engine.attention import AttentionMetadata, KVCache, write_kv
 
 
 @dataclass(slots=True)
@@ -31,68 +37,68 @@ class _LongRequest:
 
 
 @dataclass(slots=True)
+class _ShortPlan:
+    """The batched path's work list: one entry per (short request, block it reads)."""
+
+    tokens: torch.Tensor | None  # [Bs, Q] token index of each padded query; None: q already is [B, Q]
+    valid: torch.Tensor | None  # [Bs * Q] rows of the padded result that are real tokens
+    num_requests: int
+    num_q: int
+    blocks: torch.Tensor  # [NB] cache block id of each entry
+    owner: torch.Tensor  # [NB] which short request (0..Bs-1) the entry belongs to
+    hidden: torch.Tensor  # [NB, Q, block_size] bool: key invisible to that query (future, window, padding)
+
+
+@dataclass(slots=True)
 class _Plan:
     """How one step's requests are split between the two paths; built once, reused by every layer."""
 
-    short_rows: torch.Tensor | None  # [Bs] request indices; None: every request, in order
-    short_tokens: torch.Tensor | None  # [Bs, Q] token index per padded query; None: q already is [B, Q]
-    short_pos: torch.Tensor | None  # [Bs, Q] context position of each query, -1 for padding
-    short_valid: torch.Tensor | None  # [Bs * Q] rows of the padded result that are real tokens
-    short_first_block: int
-    short_end_block: int
+    short: _ShortPlan | None
     long: list[_LongRequest]
 
 
 class TorchPagedAttention:
     """The "torch" backend: see the module docstring for how the two paths split the work.
 
-    `max_batched_query_len`: requests with at most this many query tokens share the batched
-    chunked kernel; longer ones use SDPA. `chunk_elements` bounds the K/V elements gathered per
-    chunk (batch x tokens x heads x dim), `max_blocks_per_chunk` the blocks per chunk.
+    `max_batched_query_len`: requests with at most this many query tokens take the batched
+    path; longer ones use SDPA. `chunk_elements` bounds the K (or V) elements gathered at once.
     """
 
     name = "torch"
 
     def __init__(self, *, sliding_window: int | None = None, max_batched_query_len: int = 8,
-                 chunk_elements: int = 1 << 24, max_blocks_per_chunk: int = 32) -> None:
+                 chunk_elements: int = 1 << 24) -> None:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
         self.sliding_window = sliding_window
         self.max_batched_query_len = max_batched_query_len
         self.chunk_elements = chunk_elements
-        self.max_blocks_per_chunk = max_blocks_per_chunk
 
     def __repr__(self) -> str:
         return f"TorchPagedAttention(sliding_window={self.sliding_window})"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # q: [T, H, D], k/v: [T, Hkv, D], caches: [num_blocks, block_size, Hkv, D]
-        k_cache, v_cache = kv_cache
+        # q: [T, H, D], k/v: [T, Hkv, D], caches: [num_blocks, Hkv, block_size, D]
         num_tokens, num_heads, head_dim = q.shape
-        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        num_kv_heads, block_size = kv_cache[0].shape[1], kv_cache[0].shape[2]
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        write_kv(kv_cache, k, v, meta.slot_mapping)
 
         plan = self._plan(meta, block_size, q.device)
-        if plan.short_pos is not None and plan.short_tokens is None:
+        short = plan.short
+        if short is not None and short.tokens is None:
             # Every request is short, all of one length: q already is [B, Q, H, D], no gather needed.
-            batched_q = q.view(meta.num_reqs, -1, num_heads, head_dim)
-            out = self._chunked(batched_q, plan.short_pos, meta.block_tables, kv_cache, scale,
-                                plan.short_first_block, plan.short_end_block)
+            out = self._batched(q.view(short.num_requests, short.num_q, num_heads, head_dim), short, kv_cache, scale)
             return out.reshape(num_tokens, num_heads, head_dim)
 
         out = torch.empty_like(q)
-        if plan.short_pos is not None:
-            assert plan.short_tokens is not None and plan.short_valid is not None and plan.short_rows is not None
-            batched_q = q[plan.short_tokens]  # [Bs, Q, H, D]
-            tables = meta.block_tables.index_select(0, plan.short_rows)
-            res = self._chunked(batched_q, plan.short_pos, tables, kv_cache, scale,
-                                plan.short_first_block, plan.short_end_block)
-            rows = res.reshape(-1, num_heads, head_dim).index_select(0, plan.short_valid)
-            out.index_copy_(0, plan.short_tokens.view(-1).index_select(0, plan.short_valid), rows)
+        if short is not None:
+            assert short.valid is not None
+            res = self._batched(q[short.tokens], short, kv_cache, scale)  # [Bs, Q, H, D]
+            rows = res.reshape(-1, num_heads, head_dim).index_select(0, short.valid)
+            out.index_copy_(0, short.tokens.view(-1).index_select(0, short.valid), rows)
         for req in plan.long:
             out[req.token_start:req.token_end] = self._prefill(q[req.token_start:req.token_end], req, meta,
                                                                kv_cache, scale)
@@ -120,30 +126,41 @@ class TorchPagedAttention:
         short = [i for i, q_len in enumerate(meta.query_lens) if q_len <= self.max_batched_query_len]
         long_reqs = [self._long_request(i, starts[i], meta, block_size, device)
                      for i, q_len in enumerate(meta.query_lens) if q_len > self.max_batched_query_len]
-        if not short:
-            return _Plan(None, None, None, None, 0, 0, long_reqs)
+        return _Plan(self._short_plan(short, starts, meta, block_size, device) if short else None, long_reqs)
 
-        first_block = min(self._first_position(meta.seq_lens_list[i], meta.query_lens[i]) for i in short) // block_size
-        end_block = -(-max(meta.seq_lens_list[i] for i in short) // block_size)
-        max_q = max(meta.query_lens[i] for i in short)
-        uniform = len(short) == meta.num_reqs and all(q_len == max_q for q_len in meta.query_lens)
-        # Context position of every (padded) query; padding gets -1, which masks every key out.
-        positions = [[meta.seq_lens_list[i] - meta.query_lens[i] + j if j < meta.query_lens[i] else -1
-                      for j in range(max_q)] for i in short]
-        short_pos = torch.tensor(positions, dtype=torch.int64).to(device, non_blocking=True)
-        if uniform:
-            return _Plan(None, None, short_pos, None, first_block, end_block, long_reqs)
+    def _short_plan(self, short: list[int], starts: list[int], meta: AttentionMetadata, block_size: int,
+                    device: torch.device) -> _ShortPlan:
+        q_lens = [meta.query_lens[i] for i in short]
+        seq_lens = [meta.seq_lens_list[i] for i in short]
+        max_q = max(q_lens)
+        first = [self._first_position(s, q) // block_size for s, q in zip(seq_lens, q_lens, strict=True)]
+        counts = [-(-s // block_size) - f for s, f in zip(seq_lens, first, strict=True)]
+        # The ragged work list, built with tensor ops: entry j of request r reads block first[r] + j.
+        counts_t = torch.tensor(counts, dtype=torch.int64)
+        owner = torch.repeat_interleave(torch.arange(len(short)), counts_t)
+        entry_starts = torch.cumsum(counts_t, 0) - counts_t
+        block_index = torch.arange(owner.numel()) - entry_starts[owner] + torch.tensor(first)[owner]  # [NB]
+        rows = torch.tensor(short, dtype=torch.int64).to(device, non_blocking=True)
+        owner_d = owner.to(device, non_blocking=True)
+        blocks = meta.block_tables[rows[owner_d], block_index.to(device, non_blocking=True)].long()
+        # Context position of every (padded) query; padding gets -1, which hides every key.
+        q_pos = torch.tensor([[s - q + j if j < q else -1 for j in range(max_q)]
+                              for s, q in zip(seq_lens, q_lens, strict=True)], dtype=torch.int64)  # [Bs, Q]
+        key_pos = block_index[:, None] * block_size + torch.arange(block_size)  # [NB, bs]
+        entry_q = q_pos[owner][:, :, None]  # [NB, Q, 1]
+        hidden = key_pos[:, None, :] > entry_q
+        if self.sliding_window is not None:
+            hidden |= key_pos[:, None, :] <= entry_q - self.sliding_window
+        plan = _ShortPlan(tokens=None, valid=None, num_requests=len(short), num_q=max_q,
+                          blocks=blocks, owner=owner_d,
+                          hidden=hidden.to(device, non_blocking=True))
+        if len(short) == meta.num_reqs and all(q == max_q for q in q_lens):
+            return plan
         tokens = [[starts[i] + min(j, meta.query_lens[i] - 1) for j in range(max_q)] for i in short]
-        valid = [r * max_q + j for r, i in enumerate(short) for j in range(meta.query_lens[i])]
-        return _Plan(
-            short_rows=torch.tensor(short, dtype=torch.int64).to(device, non_blocking=True),
-            short_tokens=torch.tensor(tokens, dtype=torch.int64).to(device, non_blocking=True),
-            short_pos=short_pos,
-            short_valid=torch.tensor(valid, dtype=torch.int64).to(device, non_blocking=True),
-            short_first_block=first_block,
-            short_end_block=end_block,
-            long=long_reqs,
-        )
+        valid = [r * max_q + j for r, q in enumerate(q_lens) for j in range(q)]
+        plan.tokens = torch.tensor(tokens, dtype=torch.int64).to(device, non_blocking=True)
+        plan.valid = torch.tensor(valid, dtype=torch.int64).to(device, non_blocking=True)
+        return plan
 
     def _long_request(self, i: int, token_start: int, meta: AttentionMetadata, block_size: int,
                       device: torch.device) -> _LongRequest:
@@ -163,67 +180,60 @@ class TorchPagedAttention:
 
     # --- kernels --------------------------------------------------------------------------
 
-    def _chunked(self, q: torch.Tensor, q_pos: torch.Tensor, block_tables: torch.Tensor, kv_cache: KVCache,
-                 scale: float, first_block: int, end_block: int) -> torch.Tensor:
-        """Attention for [B, Q] padded queries over blocks [first_block, end_block) of each table.
-
-        q: [B, Q, H, D]; q_pos: [B, Q] context positions (-1: padding); returns [B, Q, H, D].
-        """
+    def _batched(self, q: torch.Tensor, plan: _ShortPlan, kv_cache: KVCache, scale: float) -> torch.Tensor:
+        """Attention for [Bs, Q] padded queries over their ragged block lists; q: [Bs, Q, H, D] -> same shape."""
         k_cache, v_cache = kv_cache
-        batch, num_q, num_heads, head_dim = q.shape
-        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        num_reqs, num_q, num_heads, head_dim = q.shape
+        num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
         group = num_heads // num_kv_heads
         rows = group * num_q
-        # [B, Hkv, G * Q, D] in float32, pre-scaled so the scores need no extra pass.
-        qf = (q.view(batch, num_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-              .reshape(batch, num_kv_heads, rows, head_dim).float() * scale)
-        acc = torch.zeros(batch, num_kv_heads, rows, head_dim, dtype=torch.float32, device=q.device)
-        run_max = torch.full((batch, num_kv_heads, rows), float("-inf"), dtype=torch.float32, device=q.device)
-        run_sum = torch.zeros(batch, num_kv_heads, rows, dtype=torch.float32, device=q.device)
-        end_block = min(end_block, block_tables.shape[1])
-        per_block = batch * block_size * num_kv_heads * head_dim
-        step = max(1, min(self.max_blocks_per_chunk, self.chunk_elements // per_block))
-        for c0 in range(first_block, end_block, step):
-            blocks = block_tables[:, c0:min(c0 + step, end_block)].reshape(-1).long()  # [B * n]
-            num_keys = blocks.numel() // batch * block_size
-            # Gather this chunk for all requests at once: [B, N, Hkv, D], one contiguous copy each.
-            kc = k_cache.index_select(0, blocks).view(batch, num_keys, num_kv_heads, head_dim).float()
-            vc = v_cache.index_select(0, blocks).view(batch, num_keys, num_kv_heads, head_dim).float()
-            # One bmm per KV head reads its [B, N, D] slice in place (rows strided by Hkv * D), where a
-            # single batched matmul over (B, Hkv) would first copy the chunk into head-major order.
-            scores = torch.stack([torch.bmm(qf[:, h], kc[:, :, h].transpose(1, 2)) for h in range(num_kv_heads)],
-                                 dim=1)  # [B, Hkv, G * Q, N]
-            key_pos = c0 * block_size + torch.arange(num_keys, device=q.device)
-            visible = key_pos <= q_pos[..., None]  # [B, Q, N]; also hides padding queries and the cache tail
-            if self.sliding_window is not None:
-                visible &= key_pos > q_pos[..., None] - self.sliding_window
-            scores = scores.view(batch, num_kv_heads, group, num_q, num_keys)
-            scores.masked_fill_(~visible[:, None, None], float("-inf"))
-            scores = scores.view(batch, num_kv_heads, rows, num_keys)
+        num_entries = plan.blocks.numel()
+        # [Bs, Hkv, G * Q, D] in float32, pre-scaled so the scores need no extra pass.
+        qf = (q.view(num_reqs, num_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+              .reshape(num_reqs, num_kv_heads, rows, head_dim).float() * scale)
+        step = max(1, self.chunk_elements // (num_kv_heads * block_size * head_dim))
 
-            new_max = torch.maximum(run_max, scores.amax(-1))
-            # A row with nothing visible yet keeps max -inf; subtract 0 there so exp gives 0, not NaN.
-            safe_max = new_max.masked_fill(new_max == float("-inf"), 0.0)
-            probs = torch.exp(scores - safe_max[..., None])
-            correction = torch.exp(run_max - safe_max)
-            run_sum = run_sum * correction + probs.sum(-1)
-            pv = torch.stack([torch.bmm(probs[:, h], vc[:, :, h]) for h in range(num_kv_heads)], dim=1)
-            acc = acc * correction[..., None] + pv  # [B, Hkv, G * Q, D]
-            run_max = new_max
-        out = acc / run_sum.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
-        out = out.view(batch, num_kv_heads, group, num_q, head_dim).permute(0, 3, 1, 2, 4)
-        return out.reshape(batch, num_q, num_heads, head_dim).to(q.dtype)
+        # Pass 1: scores of every entry, a bounded number of gathered K blocks at a time.
+        scores = torch.empty(num_entries, num_kv_heads, rows, block_size, dtype=torch.float32, device=q.device)
+        for c0 in range(0, num_entries, step):
+            c1 = min(c0 + step, num_entries)
+            keys = k_cache.index_select(0, plan.blocks[c0:c1]).float()  # [n, Hkv, bs, D]
+            torch.matmul(qf.index_select(0, plan.owner[c0:c1]), keys.transpose(-1, -2), out=scores[c0:c1])
+        scores.view(num_entries, num_kv_heads, group, num_q, block_size).masked_fill_(
+            plan.hidden[:, None, None], float("-inf"))
+
+        # Exact softmax per request: its maximum over all of its entries, then sums per request.
+        entry_max = scores.amax(-1)  # [NB, Hkv, G * Q]
+        req_max = torch.full((num_reqs, num_kv_heads, rows), float("-inf"), device=q.device)
+        req_max.scatter_reduce_(0, plan.owner[:, None, None].expand_as(entry_max), entry_max, "amax")
+        # A row that sees nothing (a padding query) keeps max -inf; subtract 0 there so exp gives 0, not NaN.
+        req_max.masked_fill_(req_max == float("-inf"), 0.0)
+        probs = torch.exp(scores.sub_(req_max.index_select(0, plan.owner)[..., None]))
+        denom = torch.zeros(num_reqs, num_kv_heads, rows, device=q.device).index_add_(0, plan.owner, probs.sum(-1))
+
+        # Pass 2: probabilities times gathered V blocks, summed into each entry's request.
+        out = torch.zeros(num_reqs, num_kv_heads, rows, head_dim, dtype=torch.float32, device=q.device)
+        for c0 in range(0, num_entries, step):
+            c1 = min(c0 + step, num_entries)
+            values = v_cache.index_select(0, plan.blocks[c0:c1]).float()  # [n, Hkv, bs, D]
+            out.index_add_(0, plan.owner[c0:c1], torch.matmul(probs[c0:c1], values))
+        out /= denom.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+        out = out.view(num_reqs, num_kv_heads, group, num_q, head_dim).permute(0, 3, 1, 2, 4)
+        return out.reshape(num_reqs, num_q, num_heads, head_dim).to(q.dtype)
 
     def _prefill(self, q: torch.Tensor, req: _LongRequest, meta: AttentionMetadata, kv_cache: KVCache,
                  scale: float) -> torch.Tensor:
         """SDPA for one request's query run q [q_len, H, D] over its gathered context."""
         k_cache, v_cache = kv_cache
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
         blocks = meta.block_tables[req.request, req.first_block:req.end_block].long()
-        keys = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:req.num_keys].to(q.dtype)
-        values = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:req.num_keys].to(q.dtype)
+
+        def context(cache: torch.Tensor) -> torch.Tensor:  # [1, Hkv, num_keys, D] in q's dtype
+            gathered = cache.index_select(0, blocks).to(q.dtype)  # [n, Hkv, bs, D]
+            return gathered.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[None, :, :req.num_keys]
+
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
+            q.transpose(0, 1).unsqueeze(0), context(k_cache), context(v_cache),
             attn_mask=req.mask, is_causal=req.mask is None, scale=scale, enable_gqa=True,
         )  # [1, H, q_len, D]
         return out[0].transpose(0, 1)

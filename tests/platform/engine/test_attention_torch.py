@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from ember_platform.engine.attention import AttentionBackend, AttentionMetadata
+from ember_platform.engine.attention import AttentionBackend, AttentionMetadata, kv_cache_block_shape
 from ember_plugins.attention.torch_paged import TorchPagedAttention
 
 BLOCK_SIZE = 4
@@ -56,8 +56,9 @@ def make_step(query_lens: list[int], seq_lens: list[int], num_heads: int = 8, nu
     blocks_needed = [math.ceil(s / BLOCK_SIZE) for s in seq_lens]
     num_blocks = sum(blocks_needed) + 5
     ids = torch.randperm(num_blocks, generator=gen).tolist()
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+    shape = (num_blocks, *kv_cache_block_shape(BLOCK_SIZE, num_kv_heads, HEAD_DIM))
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
     tables, contexts, qs, ks, vs = [], [], [], [], []
     for q_len, seq_len, n in zip(query_lens, seq_lens, blocks_needed, strict=True):
         table, ids = ids[:n], ids[n:]
@@ -65,8 +66,8 @@ def make_step(query_lens: list[int], seq_lens: list[int], num_heads: int = 8, nu
         keys = torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
         values = torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
         for pos in range(seq_len - q_len):
-            k_cache[table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = keys[pos]
-            v_cache[table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = values[pos]
+            k_cache[table[pos // BLOCK_SIZE], :, pos % BLOCK_SIZE] = keys[pos]
+            v_cache[table[pos // BLOCK_SIZE], :, pos % BLOCK_SIZE] = values[pos]
         contexts.append((keys, values))
         qs.append(torch.randn(q_len, num_heads, HEAD_DIM, generator=gen).to(dtype))
         ks.append(keys[seq_len - q_len:])
@@ -81,9 +82,9 @@ def check(step: Step, backend: TorchPagedAttention, atol: float) -> float:
     out = backend.forward(step.q, step.k, step.v, step.kv_cache, step.meta, scale)
     assert out.shape == step.q.shape and out.dtype == step.q.dtype
     k_cache, v_cache = step.kv_cache
-    flat_k, flat_v = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
-    torch.testing.assert_close(flat_k[step.meta.slot_mapping], step.k, rtol=0, atol=0)
-    torch.testing.assert_close(flat_v[step.meta.slot_mapping], step.v, rtol=0, atol=0)
+    blocks, offsets = step.meta.slot_mapping // BLOCK_SIZE, step.meta.slot_mapping % BLOCK_SIZE
+    torch.testing.assert_close(k_cache[blocks, :, offsets], step.k, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache[blocks, :, offsets], step.v, rtol=0, atol=0)
     worst, start = 0.0, 0
     for q_len, (keys, values) in zip(step.meta.query_lens, step.contexts, strict=True):
         expected = reference_attention(step.q[start:start + q_len], keys, values, scale, backend.sliding_window)
@@ -113,9 +114,9 @@ def test_matches_dense_reference(case: str, window: int | None) -> None:
 
 @pytest.mark.parametrize("case", ["decode_only", "mixed"])
 def test_many_small_chunks_and_requests_shorter_than_a_chunk(case: str) -> None:
-    # 2 blocks per chunk: long contexts span many chunks while short ones see nothing in most.
+    # 2 blocks per chunk: a request's blocks span several chunks, and chunks span requests.
     query_lens, seq_lens = CASES[case]
-    backend = TorchPagedAttention(max_blocks_per_chunk=2)
+    backend = TorchPagedAttention(chunk_elements=2 * 2 * BLOCK_SIZE * HEAD_DIM)  # 2 blocks of 2 KV heads
     check(make_step(query_lens, seq_lens, seed=1), backend, atol=2e-5)
 
 
@@ -128,7 +129,7 @@ def test_multi_query_and_multi_head(num_kv_heads: int) -> None:
 def test_every_request_through_the_chunked_kernel() -> None:
     # With a high threshold prefill chunks take the batched path too (padding queries in between).
     query_lens, seq_lens = CASES["prefill_chunks_with_context"]
-    backend = TorchPagedAttention(max_batched_query_len=64, max_blocks_per_chunk=3)
+    backend = TorchPagedAttention(max_batched_query_len=64, chunk_elements=3 * 2 * BLOCK_SIZE * HEAD_DIM)
     check(make_step(query_lens, seq_lens, seed=3), backend, atol=2e-5)
 
 

@@ -19,7 +19,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from ember_platform.engine.attention import AttentionMetadata  # noqa: E402
+from ember_platform.engine.attention import AttentionMetadata, kv_cache_block_shape  # noqa: E402
 from ember_platform.engine.models import build_model, load_model, load_weights  # noqa: E402
 from ember_platform.engine.models.loader import checkpoint_files  # noqa: E402
 from ember_plugins.attention.torch_paged import TorchPagedAttention  # noqa: E402
@@ -76,7 +76,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 def new_kv_caches(model: Any, dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
     args = model.args
-    shape = (NUM_BLOCKS, BLOCK_SIZE, args.num_kv_heads, args.head_dim)
+    shape = (NUM_BLOCKS, *kv_cache_block_shape(BLOCK_SIZE, args.num_kv_heads, args.head_dim))
     return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(args.num_layers)]
 
 
