@@ -56,7 +56,11 @@ def ember_parallel_strategies(register: Register) -> None:
 
 @hookspec
 def ember_routing_scorers(register: Register) -> None:
-    """Register router scorers that rate replicas for a request, e.g. "prefix", "load", "lora"."""
+    """Register router scorers that rate replicas for a request, e.g. "prefix", "load", "lora".
+
+    `impl` is a class built with the scorer's options from the routing configuration as keyword arguments; its
+    `score(request, replicas)` returns one `Score` per replica (`ember_platform.routing.scoring`).
+    """
 
 
 # --- selection ----------------------------------------------------------------------------

@@ -1,0 +1,171 @@
+"""What the routing tables hold: replica records and loads, deployment states, reservations.
+
+Plain data, shared by both table backends, the router, the publisher and the scorer plugins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from ember.errors import EmberError
+
+
+class DeploymentState(StrEnum):
+    COLD = "cold"          # no replica, nothing loaded
+    STARTING = "starting"  # a replica is loading
+    WARM = "warm"          # at least one replica serves
+    SLEEPING = "sleeping"  # weights parked in host RAM, engine memory freed: wakes faster than cold
+
+
+class ReplicaState(StrEnum):
+    """A replica's lifecycle as it publishes it; only READY replicas are routed to."""
+
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """A replica's load, as its engine last reported it."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    max_num_seqs: int = 1
+    # Requests the replica takes at once, running + queued in its engine. Routers refuse it beyond that, so a
+    # burst waits at the gateway (where it can still go to whichever replica frees up first) instead of queueing.
+    capacity: int = 0  # 0: max_num_seqs
+
+    def __post_init__(self) -> None:
+        for name in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "capacity"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ReplicaLoad.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"ReplicaLoad.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.capacity == 0:
+            object.__setattr__(self, "capacity", self.max_num_seqs)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRecord:
+    """What a replica publishes with each heartbeat (its KV blocks travel separately, as events)."""
+
+    replica_id: str
+    model: str
+    url: str
+    version: str = ""
+    state: ReplicaState = ReplicaState.READY
+    block_size: int = 16
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    adapters: frozenset[str] = frozenset()  # LoRA adapters resident in its engine
+
+    def __post_init__(self) -> None:
+        if not self.replica_id or any(c in self.replica_id for c in " \n\x00"):
+            raise ValueError(f"replica_id must be non-empty without spaces or NULs, got {self.replica_id!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        object.__setattr__(self, "state", ReplicaState(self.state))
+        object.__setattr__(self, "adapters", frozenset(self.adapters))
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """One live replica as a router sees it for one request."""
+
+    record: ReplicaRecord
+    num_in_flight: int      # requests gateways have reserved on it (re-read atomically when reserving)
+    num_cached_blocks: int  # leading blocks of the request's hash chain this replica holds
+
+    @property
+    def replica_id(self) -> str:
+        return self.record.replica_id
+
+    @property
+    def load(self) -> ReplicaLoad:
+        return self.record.load
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A replica offered to the atomic reservation, with its cost split into a fixed part and a load-linear part.
+
+    The tables add `per_request * in_flight + per_queued * max(0, in_flight + 1 - max_num_seqs)` with the
+    in-flight count read at reservation time, so the load part of the cost is never stale.
+    """
+
+    replica_id: str
+    cost: float = 0.0
+    per_request: float = 0.0
+    per_queued: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Balance:
+    """The imbalance bound: a replica whose in-flight count exceeds the least loaded live replica's by more than
+    `abs_threshold` requests AND by more than `rel_threshold` times is not eligible, whatever its cache holds
+    (SGLang's cache-aware router's balance thresholds). The least loaded replica is therefore always eligible.
+    """
+
+    abs_threshold: int = 8
+    rel_threshold: float = 1.5
+
+    def __post_init__(self) -> None:
+        if self.abs_threshold < 0 or self.rel_threshold < 1.0:
+            raise ValueError(f"Balance needs abs_threshold >= 0 and rel_threshold >= 1, got {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatResult:
+    epoch: str    # the tables' generation; a new one after the store lost its contents
+    resync: bool  # the tables do not hold this replica's block set: send all of it
+
+
+@dataclass(slots=True)
+class Reservation:
+    """A slot on a replica, held until `release()` (or until `hold_s` passes, should its holder die)."""
+
+    model: str
+    replica_id: str
+    url: str
+    token: str
+    num_in_flight: int       # on that replica, this reservation included
+    cost: float
+    num_cached_blocks: int
+    _release: Callable[[Reservation], None] | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        """Give the slot back; calling it again does nothing."""
+        release, self._release = self._release, None
+        if release is not None:
+            release(self)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+class RoutingError(EmberError):
+    """No replica can take a request now. `retry_after` (seconds) says when trying again makes sense."""
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class NoReadyReplica(RoutingError):
+    """The model has no live, ready replica in the tables (cold, starting, or every lease lapsed)."""
+
+
+class ReplicasBusy(RoutingError):
+    """Every ready replica of the model is at capacity."""
+
+
+class TablesUnavailable(RoutingError):
+    """The routing tables' store (Redis) cannot be reached."""
