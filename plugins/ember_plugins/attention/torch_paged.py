@@ -9,6 +9,10 @@ contexts are processed a bounded number of blocks at a time. Requests with long 
 (prefill chunks) are few per step and compute-bound, so each gathers its own context once and
 runs SDPA with an offset causal mask.
 
+On CPU the short path runs a native kernel instead when one could be built
+(`ember_kernels.cpu.paged_attention`: it reads the blocks in place, where torch ops must gather
+them first); the torch path is the portable fallback and the reference the kernel is tested against.
+
 Cache layout (see `ember_platform.engine.attention`): `[num_blocks, num_kv_heads, block_size,
 head_dim]`, so a gathered block is already head-major and scores need no transposing copy.
 """
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ember_kernels.cpu import paged_attention, paged_attention_available
 from ember_platform.engine.attention import AttentionMetadata, KVCache, write_kv
 
 
@@ -44,9 +49,15 @@ class _ShortPlan:
     valid: torch.Tensor | None  # [Bs * Q] rows of the padded result that are real tokens
     num_requests: int
     num_q: int
-    blocks: torch.Tensor  # [NB] cache block id of each entry
-    owner: torch.Tensor  # [NB] which short request (0..Bs-1) the entry belongs to
-    hidden: torch.Tensor  # [NB, Q, block_size] bool: key invisible to that query (future, window, padding)
+    q_pos: torch.Tensor  # [Bs, Q] context position of each query, -1 for padding
+    # For the native kernel: each short request's block table and the block range it reads.
+    tables: torch.Tensor | None = None  # [Bs, T] int32
+    first_block: torch.Tensor | None = None  # [Bs]
+    end_block: torch.Tensor | None = None  # [Bs]
+    # For the torch path: the ragged work list.
+    blocks: torch.Tensor | None = None  # [NB] cache block id of each entry
+    owner: torch.Tensor | None = None  # [NB] which short request (0..Bs-1) the entry belongs to
+    hidden: torch.Tensor | None = None  # [NB, Q, block_size] bool: key hidden from that query (future, window, pad)
 
 
 @dataclass(slots=True)
@@ -61,18 +72,21 @@ class TorchPagedAttention:
     """The "torch" backend: see the module docstring for how the two paths split the work.
 
     `max_batched_query_len`: requests with at most this many query tokens take the batched
-    path; longer ones use SDPA. `chunk_elements` bounds the K (or V) elements gathered at once.
+    path; longer ones use SDPA. `chunk_elements` bounds the K (or V) elements the torch path
+    gathers at once. `native`: use the native CPU kernel for the short path (None: whenever it is
+    available for the cache's dtype on CPU; False: always the torch path).
     """
 
     name = "torch"
 
     def __init__(self, *, sliding_window: int | None = None, max_batched_query_len: int = 8,
-                 chunk_elements: int = 1 << 24) -> None:
+                 chunk_elements: int = 1 << 24, native: bool | None = None) -> None:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
         self.sliding_window = sliding_window
         self.max_batched_query_len = max_batched_query_len
         self.chunk_elements = chunk_elements
+        self.native = native
 
     def __repr__(self) -> str:
         return f"TorchPagedAttention(sliding_window={self.sliding_window})"
@@ -86,7 +100,7 @@ class TorchPagedAttention:
             raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
         write_kv(kv_cache, k, v, meta.slot_mapping)
 
-        plan = self._plan(meta, block_size, q.device)
+        plan = self._plan(meta, block_size, q.device, kv_cache[0].dtype)
         short = plan.short
         if short is not None and short.tokens is None:
             # Every request is short, all of one length: q already is [B, Q, H, D], no gather needed.
@@ -106,11 +120,12 @@ class TorchPagedAttention:
 
     # --- planning -------------------------------------------------------------------------
 
-    def _plan(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
-        key = f"torch_paged:{self.max_batched_query_len}:{self.sliding_window}:{block_size}"
+    def _plan(self, meta: AttentionMetadata, block_size: int, device: torch.device, cache_dtype: torch.dtype) -> _Plan:
+        key = f"torch_paged:{self.max_batched_query_len}:{self.sliding_window}:{block_size}:{self.native}"
         plan = meta.scratch.get(key)
         if plan is None:
-            plan = meta.scratch[key] = self._make_plan(meta, block_size, device)
+            native = device.type == "cpu" and self.native is not False and paged_attention_available(cache_dtype)
+            plan = meta.scratch[key] = self._make_plan(meta, block_size, device, native)
         return plan
 
     def _first_position(self, seq_len: int, query_len: int) -> int:
@@ -119,41 +134,48 @@ class TorchPagedAttention:
             return 0
         return max(0, seq_len - query_len - self.sliding_window + 1)
 
-    def _make_plan(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+    def _make_plan(self, meta: AttentionMetadata, block_size: int, device: torch.device, native: bool) -> _Plan:
         starts = [0]
         for q_len in meta.query_lens:
             starts.append(starts[-1] + q_len)
         short = [i for i, q_len in enumerate(meta.query_lens) if q_len <= self.max_batched_query_len]
         long_reqs = [self._long_request(i, starts[i], meta, block_size, device)
                      for i, q_len in enumerate(meta.query_lens) if q_len > self.max_batched_query_len]
-        return _Plan(self._short_plan(short, starts, meta, block_size, device) if short else None, long_reqs)
+        return _Plan(self._short_plan(short, starts, meta, block_size, device, native) if short else None,
+                     long_reqs)
 
     def _short_plan(self, short: list[int], starts: list[int], meta: AttentionMetadata, block_size: int,
-                    device: torch.device) -> _ShortPlan:
+                    device: torch.device, native: bool) -> _ShortPlan:
         q_lens = [meta.query_lens[i] for i in short]
         seq_lens = [meta.seq_lens_list[i] for i in short]
         max_q = max(q_lens)
         first = [self._first_position(s, q) // block_size for s, q in zip(seq_lens, q_lens, strict=True)]
-        counts = [-(-s // block_size) - f for s, f in zip(seq_lens, first, strict=True)]
-        # The ragged work list, built with tensor ops: entry j of request r reads block first[r] + j.
-        counts_t = torch.tensor(counts, dtype=torch.int64)
-        owner = torch.repeat_interleave(torch.arange(len(short)), counts_t)
-        entry_starts = torch.cumsum(counts_t, 0) - counts_t
-        block_index = torch.arange(owner.numel()) - entry_starts[owner] + torch.tensor(first)[owner]  # [NB]
-        rows = torch.tensor(short, dtype=torch.int64).to(device, non_blocking=True)
-        owner_d = owner.to(device, non_blocking=True)
-        blocks = meta.block_tables[rows[owner_d], block_index.to(device, non_blocking=True)].long()
+        ends = [-(-s // block_size) for s in seq_lens]
         # Context position of every (padded) query; padding gets -1, which hides every key.
         q_pos = torch.tensor([[s - q + j if j < q else -1 for j in range(max_q)]
                               for s, q in zip(seq_lens, q_lens, strict=True)], dtype=torch.int64)  # [Bs, Q]
-        key_pos = block_index[:, None] * block_size + torch.arange(block_size)  # [NB, bs]
-        entry_q = q_pos[owner][:, :, None]  # [NB, Q, 1]
-        hidden = key_pos[:, None, :] > entry_q
-        if self.sliding_window is not None:
-            hidden |= key_pos[:, None, :] <= entry_q - self.sliding_window
+        rows = torch.tensor(short, dtype=torch.int64).to(device, non_blocking=True)
         plan = _ShortPlan(tokens=None, valid=None, num_requests=len(short), num_q=max_q,
-                          blocks=blocks, owner=owner_d,
-                          hidden=hidden.to(device, non_blocking=True))
+                          q_pos=q_pos.to(device, non_blocking=True))
+        if native:
+            plan.tables = meta.block_tables.index_select(0, rows).int()
+            plan.first_block = torch.tensor(first, dtype=torch.int64)
+            plan.end_block = torch.tensor(ends, dtype=torch.int64)
+        else:
+            # The ragged work list, built with tensor ops: entry j of request r reads block first[r] + j.
+            counts = torch.tensor(ends, dtype=torch.int64) - torch.tensor(first, dtype=torch.int64)
+            owner = torch.repeat_interleave(torch.arange(len(short)), counts)
+            entry_starts = torch.cumsum(counts, 0) - counts
+            block_index = torch.arange(owner.numel()) - entry_starts[owner] + torch.tensor(first)[owner]  # [NB]
+            owner_d = owner.to(device, non_blocking=True)
+            plan.owner = owner_d
+            plan.blocks = meta.block_tables[rows[owner_d], block_index.to(device, non_blocking=True)].long()
+            key_pos = block_index[:, None] * block_size + torch.arange(block_size)  # [NB, bs]
+            entry_q = q_pos[owner][:, :, None]  # [NB, Q, 1]
+            hidden = key_pos[:, None, :] > entry_q
+            if self.sliding_window is not None:
+                hidden |= key_pos[:, None, :] <= entry_q - self.sliding_window
+            plan.hidden = hidden.to(device, non_blocking=True)
         if len(short) == meta.num_reqs and all(q == max_q for q in q_lens):
             return plan
         tokens = [[starts[i] + min(j, meta.query_lens[i] - 1) for j in range(max_q)] for i in short]
@@ -183,6 +205,14 @@ class TorchPagedAttention:
     def _batched(self, q: torch.Tensor, plan: _ShortPlan, kv_cache: KVCache, scale: float) -> torch.Tensor:
         """Attention for [Bs, Q] padded queries over their ragged block lists; q: [Bs, Q, H, D] -> same shape."""
         k_cache, v_cache = kv_cache
+        if plan.tables is not None:
+            assert plan.first_block is not None and plan.end_block is not None
+            out = paged_attention(q, plan.q_pos, k_cache, v_cache, plan.tables, plan.first_block, plan.end_block,
+                                  scale=scale, sliding_window=self.sliding_window)
+            if out is not None:
+                return out.to(q.dtype)
+            raise MemoryError("the native paged-attention kernel could not allocate its scratch memory")
+        assert plan.blocks is not None and plan.owner is not None and plan.hidden is not None
         num_reqs, num_q, num_heads, head_dim = q.shape
         num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
         group = num_heads // num_kv_heads

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from ember_kernels.cpu import native_library_error, paged_attention_available
 from ember_platform.engine.attention import AttentionBackend, AttentionMetadata, kv_cache_block_shape
 from ember_plugins.attention.torch_paged import TorchPagedAttention
 
@@ -105,38 +106,50 @@ CASES = {
 }
 
 
+@pytest.fixture(params=[False, True], ids=["torch-ops", "native"])
+def native(request: pytest.FixtureRequest) -> bool:
+    """Run the short-query path both ways: torch ops, and the native CPU kernel where it builds."""
+    if request.param and not paged_attention_available(torch.float32):
+        pytest.skip(f"native CPU kernel unavailable: {native_library_error()}")
+    return request.param
+
+
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("window", [None, 8])
-def test_matches_dense_reference(case: str, window: int | None) -> None:
+def test_matches_dense_reference(case: str, window: int | None, native: bool) -> None:
     query_lens, seq_lens = CASES[case]
-    check(make_step(query_lens, seq_lens), TorchPagedAttention(sliding_window=window), atol=2e-5)
+    check(make_step(query_lens, seq_lens), TorchPagedAttention(sliding_window=window, native=native), atol=2e-5)
 
 
 @pytest.mark.parametrize("case", ["decode_only", "mixed"])
 def test_many_small_chunks_and_requests_shorter_than_a_chunk(case: str) -> None:
     # 2 blocks per chunk: a request's blocks span several chunks, and chunks span requests.
     query_lens, seq_lens = CASES[case]
-    backend = TorchPagedAttention(chunk_elements=2 * 2 * BLOCK_SIZE * HEAD_DIM)  # 2 blocks of 2 KV heads
+    backend = TorchPagedAttention(chunk_elements=2 * 2 * BLOCK_SIZE * HEAD_DIM, native=False)  # 2 blocks, 2 heads
     check(make_step(query_lens, seq_lens, seed=1), backend, atol=2e-5)
 
 
 @pytest.mark.parametrize("num_kv_heads", [1, 8])
-def test_multi_query_and_multi_head(num_kv_heads: int) -> None:
+def test_multi_query_and_multi_head(num_kv_heads: int, native: bool) -> None:
     query_lens, seq_lens = CASES["mixed"]
-    check(make_step(query_lens, seq_lens, num_kv_heads=num_kv_heads, seed=2), TorchPagedAttention(), atol=2e-5)
+    check(make_step(query_lens, seq_lens, num_kv_heads=num_kv_heads, seed=2), TorchPagedAttention(native=native),
+          atol=2e-5)
 
 
-def test_every_request_through_the_chunked_kernel() -> None:
+@pytest.mark.parametrize("window", [None, 8])
+def test_every_request_through_the_batched_path(native: bool, window: int | None) -> None:
     # With a high threshold prefill chunks take the batched path too (padding queries in between).
     query_lens, seq_lens = CASES["prefill_chunks_with_context"]
-    backend = TorchPagedAttention(max_batched_query_len=64, chunk_elements=3 * 2 * BLOCK_SIZE * HEAD_DIM)
+    backend = TorchPagedAttention(max_batched_query_len=64, chunk_elements=3 * 2 * BLOCK_SIZE * HEAD_DIM,
+                                  native=native, sliding_window=window)
     check(make_step(query_lens, seq_lens, seed=3), backend, atol=2e-5)
 
 
 @pytest.mark.parametrize("case", ["decode_only", "mixed"])
-def test_bfloat16_accumulates_in_float32(case: str) -> None:
+def test_bfloat16_accumulates_in_float32(case: str, native: bool) -> None:
     query_lens, seq_lens = CASES[case]
-    err = check(make_step(query_lens, seq_lens, dtype=torch.bfloat16, seed=4), TorchPagedAttention(), atol=2e-2)
+    step = make_step(query_lens, seq_lens, dtype=torch.bfloat16, seed=4)
+    err = check(step, TorchPagedAttention(native=native), atol=2e-2)
     assert err < 2e-2
 
 
