@@ -25,8 +25,9 @@ _OVERRIDES: dict[str, tuple[str, str]] = {
     "attention": ("kernels", "attention"),
     "tensor_parallel": ("parallelism", "tensor_parallel"),
 }
-# Engine-only knobs that have no manifest field (tests and benchmarks use them).
-_ENGINE_ONLY = {"num_kv_blocks"}
+# Engine-only knobs that have no manifest field (tests and benchmarks use them). `kv_tiers`: a mapping of
+# kvtiers.KVTierConfig fields (CPU / disk / S3 tiers below the device), or a KVTierConfig.
+_ENGINE_ONLY = {"num_kv_blocks", "kv_tiers"}
 
 
 @dataclass(slots=True)

@@ -3,7 +3,8 @@
 Each `step()` schedules a batch, runs the model once over it, samples (verifying speculative
 drafts where there are any), appends tokens, checks stop conditions, detokenizes, and returns
 one `RequestOutput` per request that made progress. `LLM` (batch scripts) and `AsyncEngine`
-(serving) are thin loops around it.
+(serving) are thin loops around it. Requests may name a LoRA adapter (the package's `[[lora]]`
+entries, or `add_lora` at run time); requests for different adapters share one batch.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,9 @@ from ember.plugins import PluginHost
 from ember.selection import SelectionReport
 from ember_platform.engine.config import ModelSource, read_hf_config, resolve_source
 from ember_platform.engine.kv_cache_manager import KVCacheManager
+from ember_platform.engine.lora import check_adapter_name
+from ember_platform.engine.lora_layer import lora_layouts
+from ember_platform.engine.lora_manager import LoRAManager, UnknownLoRAError
 from ember_platform.engine.model_runner import ForwardResult, ModelRunner, allocate_kv_caches, kv_bytes_per_block
 from ember_platform.engine.models import build_model
 from ember_platform.engine.models.loader import load_weights
@@ -34,12 +38,17 @@ from ember_platform.engine.speculation import Speculator, SpeculatorContext, ver
 from ember_platform.engine.text.detokenizer import IncrementalDetokenizer
 from ember_platform.engine.text.stop import StopStringMatcher
 from ember_platform.engine.text.tokenizer import Tokenizer
+from ember_platform.kvtiers.identity import model_identity
+from ember_platform.kvtiers.store import KVTierStore
 
 log = logging.getLogger("ember.engine")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_KV_CACHE_DEFAULT_GB = 4.0  # like vLLM's CPU backend: a fixed budget, since host RAM is shared
 NATIVE_BF16_CPU_FEATURES = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+# LoRA serving knobs (engine keywords; no manifest field yet): device slots, the largest rank accepted,
+# adapters kept in host memory, and an optional device-memory budget for the slots in GiB.
+LORA_OPTIONS = {"max_loras": 4, "max_lora_rank": 64, "max_cpu_loras": None, "lora_memory_gb": None}
 
 
 @dataclass(slots=True)
@@ -58,6 +67,8 @@ class LLMEngine:
     def __init__(self, path: str | Path, **overrides: Any) -> None:
         t0 = time.perf_counter()
         self.timings: dict[str, float] = {}
+        lora_options = {k: default if (v := overrides.pop(k, None)) is None else v
+                        for k, default in LORA_OPTIONS.items()}
         source, engine_only = resolve_source(path, overrides)
         self.source: ModelSource = source
         self.manifest = manifest = source.manifest
@@ -73,6 +84,9 @@ class LLMEngine:
         attention = self._technique("attention")
         self.model = build_model(self.hf_config, attention, self.dtype, self.device)
         load_weights(self.model, source.weights_dir)
+        # Read before quantizing: a quantizer's modules need not say how their outputs are packed.
+        layouts = lora_layouts(self.model, getattr(self.model, "lora_module_names", ()))
+        self._checkpoint_target = self.model.checkpoint_target
         self.timings["load"] = time.perf_counter() - t0
         quant = self.selections["quantization"]
         if quant.name != "none":
@@ -82,6 +96,14 @@ class LLMEngine:
             self.timings["quantize"] = time.perf_counter() - t1
         self.model.eval()
         self.plugins.model_loaded(manifest, self.model, self.hardware)
+        budget = lora_options["lora_memory_gb"]
+        self.lora = LoRAManager(self.model, layouts, self._lora_target, max_loras=lora_options["max_loras"],
+                                max_lora_rank=lora_options["max_lora_rank"],
+                                max_cpu_loras=lora_options["max_cpu_loras"],
+                                memory_budget_bytes=None if budget is None else budget * 2**30,
+                                device=self.device, dtype=self.dtype)
+        for entry in manifest.lora if source.is_package else ():
+            self.lora.register(entry.name, source.root / entry.path)
 
         self.tokenizer = Tokenizer.from_dir(source.weights_dir)
         self.vocab_size = int(self.hf_config["vocab_size"])
@@ -92,11 +114,16 @@ class LLMEngine:
         num_layers, kv_heads, head_dim = kv_cache_shape(self.hf_config)
         caches = allocate_kv_caches(num_layers, num_blocks, self.block_size, kv_heads, head_dim, self.dtype,
                                     self.device)
-        self.kv = KVCacheManager(num_blocks, self.block_size, rt.enable_prefix_caching)
+        # KV tiers below the device (kvtiers/): None unless the `kv_tiers` engine option turns a tier on.
+        self.kv_tiers = KVTierStore.for_engine(
+            engine_only.get("kv_tiers"), block_size=self.block_size, kv_caches=caches, device=self.device,
+            model_id=lambda: model_identity(source.weights_dir, source.root if source.is_package else None,
+                                            quantization=quant.name, quantization_options=quant.options))
+        self.kv = KVCacheManager(num_blocks, self.block_size, rt.enable_prefix_caching, tiers=self.kv_tiers)
         self.scheduler = Scheduler(self.kv, max_num_seqs=rt.max_num_seqs,
                                    max_num_batched_tokens=max(rt.max_num_batched_tokens, rt.max_num_seqs),
-                                   max_model_len=self.max_model_len)
-        self.runner = ModelRunner(self.model, caches, self.block_size, self.device)
+                                   max_model_len=self.max_model_len, lora=self.lora)
+        self.runner = ModelRunner(self.model, caches, self.block_size, self.device, lora=self.lora)
         self.sampler = Sampler(seed=rt.seed)
         self.speculator = self._make_speculator()
         self._states: dict[str, _RequestState] = {}
@@ -143,6 +170,49 @@ class LLMEngine:
                                     self.dtype, model_dir, self.hf_config)
         return cls(spec.options, context)
 
+    def _lora_target(self, peft_module: str) -> tuple[str, Hashable | None] | None:
+        """A PEFT module path (transformers' naming) -> (our LoRA layer, shard id): the checkpoint mapping."""
+        target = self._checkpoint_target(f"{peft_module}.weight")
+        if target is None or not target[0].endswith(".weight"):
+            return None
+        return target[0].removesuffix(".weight"), target[1]
+
+    # --- LoRA adapters ----------------------------------------------------------------------
+
+    # Like add_request, these run on the engine's thread (AsyncEngine's step loop owns the engine).
+
+    def add_lora(self, name: str, path: str | Path) -> None:
+        """Register a PEFT adapter directory under `name` (checked now, loaded on first use)."""
+        self.lora.register(check_adapter_name(name), path)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget an adapter; refused while requests for it are unfinished."""
+        if name not in self.lora.specs:
+            raise UnknownLoRAError(name, self.lora.names)
+        users = [r.request_id for r in self.scheduler.requests.values() if r.lora_name == name]
+        if users:
+            shown = ", ".join(users[:5]) + (f" and {len(users) - 5} more" if len(users) > 5 else "")
+            raise ValueError(f"LoRA adapter '{name}' is in use by unfinished requests ({shown}); abort them first")
+        self.lora.unregister(name)
+
+    @property
+    def lora_names(self) -> list[str]:
+        """Every adapter requests may name."""
+        return self.lora.names
+
+    @property
+    def loaded_loras(self) -> frozenset[str]:
+        """The adapters resident in device slots now (the router routes their requests here)."""
+        return self.lora.resident
+
+    def lora_load_seconds(self, name: str) -> float | None:
+        """What loading `name` into a slot costs (measured; the mean over adapters for one never loaded)."""
+        return self.lora.estimated_load_seconds(name)
+
+    def add_lora_listener(self, callback: Callable[[frozenset[str]], None]) -> None:
+        """`callback(loaded_loras)` runs on the engine's thread each time the resident set changes."""
+        self.lora.add_listener(callback)
+
     # --- requests ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
@@ -158,6 +228,8 @@ class LLMEngine:
                              "(prompt plus at least one generated token)")
         if max(ids) >= self.vocab_size or min(ids) < 0:
             raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size})")
+        if lora_name is not None and lora_name not in self.lora.specs:
+            raise UnknownLoRAError(lora_name, self.lora.names)
         req = Request(request_id, ids, params, next(self._arrivals), lora_name=lora_name, cache_salt=cache_salt)
         stop = StopStringMatcher(params.stop) if params.stop else None
         self._states[request_id] = _RequestState(IncrementalDetokenizer(self.tokenizer, ids), stop,
@@ -336,6 +408,10 @@ class LLMEngine:
             "generated_tokens": self.num_generated_tokens,
             "spec_draft_tokens": self.num_draft_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,
+            "lora_loaded": len(self.lora.resident),
+            "lora_loads": self.lora.num_loads,
+            "lora_evictions": self.lora.num_evictions,
+            **(self.kv_tiers.stats() if self.kv_tiers is not None else {}),  # kv_tier_* counters
         }
 
 

@@ -6,18 +6,27 @@ with the same blocks reuses them instead of recomputing. Blocks with no user sta
 until they are needed: the free queue is least-recently-freed first, and a request's blocks
 are freed tail first, so shared prefixes (the heads) are evicted last.
 
-Every block that enters or leaves the prefix cache is reported as an event; the router and
-the KV tiers consume them (`drain_events`).
+Every block that enters or leaves the prefix cache is reported as an event; the router
+consumes them (`drain_events`).
+
+With KV tiers below the device (a `KVTierConnector`, kvtiers.KVTierStore), each newly cached
+block is also handed to the tiers (write-through), and a prefix that misses on the device is
+looked up there: the blocks found are loaded into freshly allocated device blocks and registered
+in the prefix cache, so the scheduler sees them as ordinary hits (computed, cached tokens).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ember_platform.engine.block_hash import BlockHash
 from ember_platform.engine.request import Request
+
+log = logging.getLogger("ember.engine")
 
 
 @dataclass(slots=True)
@@ -26,6 +35,32 @@ class KVEvents:
 
     stored: list[BlockHash] = field(default_factory=list)
     removed: list[BlockHash] = field(default_factory=list)
+
+
+class KVTierConnector(Protocol):
+    """What the KV cache manager needs from the tiers below the device (defined here, torch-free, as the
+    scheduler's LoRASlots is). All calls come from the engine's thread."""
+
+    def save(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
+        """Newly computed blocks were registered under these hashes: copy them down (must not block on I/O)."""
+        ...
+
+    def fetch(self, block_hashes: Sequence[BlockHash]) -> Sequence[object]:
+        """The longest leading run of `block_hashes` the tiers hold, staged on the host; never raises for a
+        tier that fails (the run just ends)."""
+        ...
+
+    def load(self, fetched: Sequence[object], block_ids: Sequence[int]) -> None:
+        """Copy fetched blocks into these device blocks (every layer)."""
+        ...
+
+    def release(self, fetched: Sequence[object]) -> None:
+        """Give up fetched blocks that will not be loaded."""
+        ...
+
+    def note_prefix(self, block_hashes: Sequence[BlockHash]) -> None:
+        """A new request's prompt blocks (hot-prefix statistics)."""
+        ...
 
 
 class BlockPool:
@@ -74,14 +109,16 @@ class BlockPool:
             if self.ref_cnt[b] == 0:
                 self.free[b] = None
 
-    def cache(self, block_id: int, block_hash: BlockHash) -> None:
+    def cache(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Register a computed block under its hash; False if it was registered already."""
         if self.block_hash[block_id] is not None:
-            return  # already registered (a prefix-cache hit)
+            return False  # already registered (a prefix-cache hit)
         if block_hash in self.cached:
-            return  # an identical block computed concurrently by another request: keep the first
+            return False  # an identical block computed concurrently by another request: keep the first
         self.block_hash[block_id] = block_hash
         self.cached[block_hash] = block_id
         self.events.stored.append(block_hash)
+        return True
 
     def _evict(self, b: int) -> None:
         h = self.block_hash[b]
@@ -103,9 +140,13 @@ class BlockPool:
 class KVCacheManager:
     """Allocates blocks to requests and serves prefix-cache hits."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 tiers: KVTierConnector | None = None) -> None:
+        if tiers is not None and not enable_prefix_caching:
+            raise ValueError("KV tiers need prefix caching: blocks are found there by their prefix hashes")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.tiers = tiers
         self.pool = BlockPool(num_blocks)
         self._num_cached_blocks: dict[str, int] = {}  # per request: blocks already registered
         self.num_prefix_queries = 0  # tokens looked up / found, for the hit-rate metric
@@ -137,7 +178,49 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
+        # LoRA requests stay on the device: their hashes name an adapter, not its weights, and a shared tier
+        # could hold another deployment's adapter under the same name.
+        if self.tiers is not None and len(hits) < max_blocks and req.lora_name is None:
+            hits += self._load_from_tiers(req.block_hashes[len(hits):max_blocks], hits)
         return hits, len(hits) * self.block_size
+
+    def load_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Make a prefix resident on the device as cached blocks, loading from the tiers what the device lacks
+        (seeding a fresh replica); returns how many of its leading blocks are on the device now."""
+        hits = []
+        for h in block_hashes:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        if self.tiers is not None and len(hits) < len(block_hashes):
+            hits += self._load_from_tiers(block_hashes[len(hits):], hits)
+        return len(hits)
+
+    def _load_from_tiers(self, block_hashes: Sequence[BlockHash], device_hits: list[int]) -> list[int]:
+        """Blocks that continue `device_hits` from the tiers, loaded into fresh device blocks, cached and free
+        (like any prefix-cache hit, the caller's allocate_slots takes the reference)."""
+        assert self.tiers is not None
+        # Hold the device hits meanwhile: the fresh blocks come off the free queue, which holds them too.
+        self.pool.touch(device_hits)
+        try:
+            room = self.pool.num_free
+            fetched = self.tiers.fetch(block_hashes[:room]) if room else []
+            if not fetched:
+                return []
+            block_ids = self.pool.allocate(len(fetched))
+            try:
+                self.tiers.load(fetched, block_ids)
+            except Exception:  # a failed copy must not fail the request: recompute instead
+                log.exception("loading %d KV blocks from the tiers failed; recomputing them", len(fetched))
+                self.pool.release(block_ids)
+                return []
+            for b, h in zip(block_ids, block_hashes, strict=False):
+                self.pool.cache(b, h)
+            self.pool.release(reversed(block_ids))  # tail first, as `free` does: the head is evicted last
+            return block_ids
+        finally:
+            self.pool.release(reversed(device_hits))
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count an admitted request's prefix lookup (for the hit-rate metric)."""
@@ -167,11 +250,20 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         req.update_block_hashes(self.block_size)
-        done = self._num_cached_blocks.get(req.request_id, 0)
+        done = self._num_cached_blocks.get(req.request_id)
+        tiers = self.tiers if req.lora_name is None else None
+        if done is None and tiers is not None:
+            tiers.note_prefix(req.block_hashes[:req.num_prompt_tokens // self.block_size])
+        done = done or 0
         full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes), len(req.block_ids))
+        new_ids, new_hashes = [], []
         for i in range(done, full):
-            self.pool.cache(req.block_ids[i], req.block_hashes[i])
+            if self.pool.cache(req.block_ids[i], req.block_hashes[i]):
+                new_ids.append(req.block_ids[i])
+                new_hashes.append(req.block_hashes[i])
         self._num_cached_blocks[req.request_id] = max(done, full)
+        if tiers is not None and new_ids:
+            tiers.save(new_ids, new_hashes)
 
     def free(self, req: Request) -> None:
         """Return a request's blocks, tail first so that its shared head is evicted last."""

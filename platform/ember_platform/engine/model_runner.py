@@ -1,5 +1,6 @@
 """Runs the model for one scheduled batch: flatten the requests' new tokens, build the paged-
-attention metadata, run the forward pass, and return logits only where tokens are sampled."""
+attention metadata (and the LoRA token -> adapter slot index), run the forward pass, and return
+logits only where tokens are sampled."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from ember_platform.engine.attention import AttentionMetadata, KVCache, kv_cache_block_shape
+from ember_platform.engine.lora_manager import LoRAManager
 from ember_platform.engine.request import Request
 from ember_platform.engine.scheduler import ScheduledBatch
 
@@ -40,8 +42,10 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_caches: list[KVCache], block_size: int, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, kv_caches: list[KVCache], block_size: int, device: torch.device,
+                 lora: LoRAManager | None = None) -> None:
         self.model = model
+        self.lora = lora
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -72,7 +76,13 @@ class ModelRunner:
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, meta, self.kv_caches)  # [T, D]
+        if self.lora is not None:  # one token -> slot index per step, shared by every LoRA layer
+            self.lora.begin_step(batch.requests, batch.num_tokens)
+        try:
+            hidden = self.model(ids, pos, meta, self.kv_caches)  # [T, D]
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         if sample_index:
             picked = hidden[torch.tensor(sample_index, dtype=torch.long, device=self.device)]
         else:

@@ -7,16 +7,38 @@ arrival order — their decode (and speculative) tokens, or the next chunk of a 
 then waiting requests, first come first served, chunked to what is left of the budget.
 When blocks run out, the newest running request is preempted (its blocks freed, to be
 recomputed later); being newest-first and FCFS, the oldest request always progresses.
+
+A request for a LoRA adapter is admitted only once its adapter holds a device slot (`LoRASlots.acquire`).
+Running requests pin their adapters. When no slot can be had, that request waits and so does every later
+request for an adapter (they would keep the slots busy and starve it); requests without one go ahead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ember_platform.engine.kv_cache_manager import KVCacheManager
 from ember_platform.engine.request import Request, RequestStatus
+
+log = logging.getLogger("ember.engine")
+
+
+class LoRALoadError(RuntimeError):
+    """An adapter that was fine when registered could not be read when it was needed (its files changed)."""
+
+
+class LoRASlots(Protocol):
+    """What the scheduler needs from the LoRA manager (defined here so that the scheduler stays torch-free)."""
+
+    def acquire(self, name: str, in_use: Iterable[str]) -> bool:
+        """Make adapter `name` resident (evicting an idle one if need be); False if every slot is in use.
+        Raises LoRALoadError if the adapter cannot be read: that request fails, the engine goes on."""
+        ...
 
 
 @dataclass(slots=True)
@@ -38,8 +60,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, lora: LoRASlots | None = None) -> None:
         self.kv = kv
+        self.lora = lora
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -108,8 +131,13 @@ class Scheduler:
                 i += 1
         if batch.preempted:
             return batch  # blocks are short: admit nobody new this step
+        in_use = {r.lora_name for r in self.running if r.lora_name}
+        lora_blocked: list[Request] = []  # skipped for want of an adapter slot, in queue order
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.lora_name is not None and self.lora is not None \
+                    and not self._acquire_lora(req, in_use, lora_blocked, batch):
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(req, num_new, hits):
@@ -129,7 +157,28 @@ class Scheduler:
             batch.requests.append(req)
             batch.num_tokens.append(num_new)
             budget -= num_new
+            if req.lora_name is not None:
+                in_use.add(req.lora_name)
+        self.waiting.extendleft(reversed(lora_blocked))
         return batch
+
+    def _acquire_lora(self, req: Request, in_use: set[str], lora_blocked: list[Request],
+                      batch: ScheduledBatch) -> bool:
+        """Whether the head of the queue, a request for an adapter, may be admitted now; if not, it is
+        taken off the queue (into `lora_blocked`, put back after this step, or refused if its adapter
+        cannot be read)."""
+        assert req.lora_name is not None and self.lora is not None
+        try:
+            ok = not lora_blocked and self.lora.acquire(req.lora_name, in_use)
+        except LoRALoadError as e:  # its files changed since it was registered: fail this request, not the engine
+            log.error("request %s: %s", req.request_id, e)
+            self.waiting.popleft()
+            self.finish(req, RequestStatus.FINISHED_ABORTED)
+            batch.refused.append(req)
+            return False
+        if not ok:
+            lora_blocked.append(self.waiting.popleft())
+        return ok
 
     def _preempt(self, req: Request) -> None:
         """Free a running request's blocks; it goes back to the front of the queue to be recomputed."""

@@ -169,6 +169,9 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", "gate"),
         "up_proj": ("gate_up_proj", "up"),
     }
+    # Layers that can carry a LoRA adapter. PEFT's per-projection A/B (q_proj, ...) map onto their output
+    # slices through `checkpoint_target`, exactly as the base checkpoint's tensors do.
+    lora_module_names: ClassVar[tuple[str, ...]] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
     def __init__(self, config: Mapping[str, Any], attn_backend: AttentionBackendFactory,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:

@@ -86,6 +86,9 @@ class MixtralForCausalLM(MistralForCausalLM):
     """Mixtral: Mistral attention (optional sliding window) + MixtralMoE in every layer."""
 
     default_rope_theta: ClassVar[float] = 1_000_000.0
+    # Attention only: the experts are stacked parameters, not linears (PEFT reaches them only through
+    # target_parameters, which is not served), and LoRA on the router is not a thing adapters do.
+    lora_module_names: ClassVar[tuple[str, ...]] = ("qkv_proj", "o_proj")
 
     @classmethod
     def parse_args(cls, config: Mapping[str, Any]) -> ModelArgs:
