@@ -1,5 +1,5 @@
 """Offline throughput: a mixed workload through Ember (every request at once, continuous batching) vs
-transformers `generate` in padded batches of 8, on the same checkpoint, dtype and machine.
+transformers `generate` in padded batches of 8, on the same checkpoint and machine (and dtype, unless --hf-dtype).
 
     python bench/bench_throughput.py [--model examples/tiny-llama] [--quick] [--repeats 3] [--profile]
 
@@ -53,7 +53,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=_range, default=None, help="min,max output tokens (default 16,256)")
     parser.add_argument("--system-len", type=int, default=None, help="shared prefix on half (default 256)")
     parser.add_argument("--batch-size", type=int, default=8, help="the baseline's padded batch size (default 8)")
-    parser.add_argument("--dtype", default=None, help="both sides' dtype (default: the engine's choice)")
+    parser.add_argument("--dtype", default=None, help="Ember's dtype (default: the engine's choice)")
+    parser.add_argument("--hf-dtype", default="same", choices=["same", "checkpoint", "float32", "bfloat16"],
+                        help="the baseline's dtype: 'same' as Ember's resolved dtype (default; like for like), or "
+                             "'checkpoint' (what from_pretrained gives a user: the checkpoint's own dtype)")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="Ember override (default: the manifest's)")
 
 
@@ -154,7 +157,8 @@ def main() -> None:
     dtype = engine.dtype
     work = make_workload(engine.tokenizer, num_requests, prompt_len, output_len, system_len)
     weights_dir = str(resolve_source(args.model, {})[0].weights_dir)
-    hf = HFBaseline(weights_dir, dtype, args.batch_size)
+    hf_dtype = {"same": dtype, "checkpoint": "auto"}.get(args.hf_dtype, args.hf_dtype)
+    hf = HFBaseline(weights_dir, hf_dtype, args.batch_size)
     settings = {"max_num_seqs": engine.scheduler.max_num_seqs,
                 "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
                 "kv_block_size": engine.block_size, "num_kv_blocks": engine.kv.num_blocks}
@@ -181,7 +185,8 @@ def main() -> None:
     target = TARGETS.get(args.model.resolve().name)
 
     plens = [len(p) for p in work.prompts]
-    print(f"model {args.model} ({str(dtype).removeprefix('torch.')}), {args.threads} threads, "
+    print(f"model {args.model} (ember {str(dtype).removeprefix('torch.')}, "
+          f"hf {str(hf.model.dtype).removeprefix('torch.')}), {args.threads} threads, "
           f"{args.repeats} interleaved repeats")
     print(f"workload: {num_requests} requests, prompts {min(plens)}..{max(plens)} tokens (median {median(plens):.0f}, "
           f"{sum(plens)} total), outputs {min(work.output_lens)}..{max(work.output_lens)} "
@@ -204,7 +209,8 @@ def main() -> None:
         "workload": {"num_requests": num_requests, "prompt_len": prompt_len, "output_len": output_len,
                      "system_len": system_len, "prompt_tokens": sum(plens), "output_tokens": tokens,
                      "hf_batch_size": args.batch_size, "seed": SEED},
-        "ember_settings": settings, "dtype": str(dtype).removeprefix("torch."), "cached_tokens": cached,
+        "ember_settings": settings, "dtype": str(dtype).removeprefix("torch."),
+        "hf_dtype": str(hf.model.dtype).removeprefix("torch."), "cached_tokens": cached,
         "greedy_agreement": round(agree, 3), **environment(args),
     }
     if args.profile:
@@ -214,7 +220,8 @@ def main() -> None:
         record["hotspots"] = brief_hotspots(hot)
         record["phases_pct"] = hot["phases_pct"]
     name = args.model.resolve().name
-    suffix = ("" if name == "tiny-llama" else f"-{name}") + (f"-{args.dtype}" if args.dtype else "")
+    suffix = (("" if name == "tiny-llama" else f"-{name}") + (f"-{args.dtype}" if args.dtype else "")
+              + (f"-hf-{args.hf_dtype}" if args.hf_dtype != "same" else ""))
     emit(f"throughput{suffix}", record, args.results)
 
 

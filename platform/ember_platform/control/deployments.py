@@ -87,6 +87,8 @@ class Scaling:
     min_replicas: int
     max_replicas: int
     prewarm: bool
+    target_concurrency: int = 32
+    scale_down_delay: float = 900.0
 
     @property
     def initial(self) -> int:
@@ -132,7 +134,11 @@ class Deployment:
         section = self.versions[version or self.active_version].manifest.scaling
         low = section.min_replicas if self.min_replicas is None else self.min_replicas
         high = section.max_replicas if self.max_replicas is None else self.max_replicas
-        return Scaling(low, max(high, low), section.prewarm)
+        return Scaling(low, max(high, low), section.prewarm, section.target_concurrency, section.scale_down_delay)
+
+    def demand(self) -> int:
+        """Requests open on this deployment's replicas plus those waiting for one: what the autoscaler serves."""
+        return self.waiting + sum(r.in_flight for r in self.replicas if r.state is not ReplicaState.DEAD)
 
     @property
     def max_queue(self) -> int:
@@ -171,7 +177,8 @@ class Deployment:
             "versions": sorted(self.versions), "history": list(self.history),
             "replicas": [r.to_json() for r in self.replicas], "desired_replicas": self.desired,
             "scaling": {"min_replicas": scaling.min_replicas, "max_replicas": scaling.max_replicas,
-                        "prewarm": scaling.prewarm},
+                        "prewarm": scaling.prewarm, "target_concurrency": scaling.target_concurrency,
+                        "scale_down_delay": scaling.scale_down_delay},
             "waiting": self.waiting, "last_error": self.last_error, "created_at": self.created_at,
         }
         if detail:

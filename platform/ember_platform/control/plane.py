@@ -21,6 +21,7 @@ from ember.errors import PackageError
 from ember.manifest import load_manifest
 from ember.package.lock import LOCK_NAME, Lock
 from ember.registry import BlobCache, Registry, parse_reference, pull_package, resolve, short_digest
+from ember_platform.control.autoscaler import ScaleMemory, ScalingPolicy, decide
 from ember_platform.control.deployments import (
     Deployment,
     DeploymentVersion,
@@ -100,6 +101,7 @@ class ControlPlane:
         self._launching: dict[str, asyncio.Task[Replica]] = {}  # replica id -> its start
         self._retiring: dict[str, asyncio.Task[None]] = {}      # replica id -> its drain and stop
         self._next_start_at: dict[str, float] = {}               # deployment -> earliest retry after failures
+        self._scale_memory: dict[str, ScaleMemory] = {}           # deployment -> the autoscaler's memory
         self._supervisor: asyncio.Task[None] | None = None
         self._probe_client: httpx.AsyncClient | None = None
         self._closing = False
@@ -483,7 +485,30 @@ class ControlPlane:
                   and r.state in (ReplicaState.READY, ReplicaState.DRAINING)]
         await asyncio.gather(*(self._probe(dep, r) for r in probed))
         if not self._lock(dep.name).locked():  # an operation in progress owns the replica count
+            self._autoscale(dep)
             self._reconcile(dep)
+
+    def _autoscale(self, dep: Deployment) -> None:
+        """Follow demand within [scaling]: start replicas at once, drain surplus ones after the idle delay."""
+        scaling = dep.scaling()
+        policy = ScalingPolicy(scaling.min_replicas, scaling.max_replicas, scaling.target_concurrency,
+                               scaling.scale_down_delay)
+        memory = self._scale_memory.setdefault(dep.name, ScaleMemory())
+        demand = dep.demand()
+        desired = decide(policy, dep.desired, demand, time.monotonic(), memory)
+        if desired == dep.desired:
+            return
+        if desired > dep.desired:
+            dep.log(f"autoscaler: {demand} request(s) open or waiting; scaling up to {desired} replica(s)")
+        else:
+            # Surplus replicas drain (they finish what they hold); the least busy go first.
+            live = sorted(dep.live_replicas(), key=lambda r: (r.in_flight, r.state is ReplicaState.READY))
+            for replica in live[:max(0, len(live) - desired)]:
+                self._retire(dep, replica)
+            dep.log(f"autoscaler: {demand} request(s) for {scaling.scale_down_delay:.0f} s; scaling down to "
+                    f"{desired} replica(s)" + (" (scaled to zero)" if desired == 0 else ""))
+        dep.desired = desired
+        dep.notify()
 
     async def _probe(self, dep: Deployment, replica: Replica) -> None:
         assert self._probe_client is not None and replica.url is not None

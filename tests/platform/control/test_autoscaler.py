@@ -1,0 +1,95 @@
+"""The autoscaler: its rule on plain numbers, then scale up, scale to zero and a cold start with real replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ember.registry import BlobCache, LocalRegistry, push_package
+from ember_platform.control.autoscaler import ScaleMemory, ScalingPolicy, decide, wanted_replicas
+from ember_platform.control.deployments import ReplicaState
+from ember_platform.control.launcher import LocalProcessLauncher
+from ember_platform.control.plane import ControlPlane
+
+REPO = Path(__file__).resolve().parents[3]
+EXAMPLE = REPO / "examples" / "tiny-llama"
+POLICY = ScalingPolicy(min_replicas=0, max_replicas=3, target_concurrency=4, scale_down_delay=10.0)
+
+
+@pytest.mark.parametrize(("demand", "want"), [(0, 0), (1, 1), (4, 1), (5, 2), (12, 3), (100, 3)])
+def test_wanted_replicas_follow_demand_within_bounds(demand: int, want: int) -> None:
+    assert wanted_replicas(POLICY, demand) == want
+
+
+def test_min_replicas_is_a_floor() -> None:
+    policy = ScalingPolicy(min_replicas=2, max_replicas=3, target_concurrency=4, scale_down_delay=10.0)
+    assert wanted_replicas(policy, 0) == 2 and wanted_replicas(policy, 1) == 2
+
+
+def test_up_at_once_down_only_after_the_delay_and_gaps_reset_it() -> None:
+    memory = ScaleMemory()
+    assert decide(POLICY, current=1, demand=9, now=0.0, memory=memory) == 3  # queueing: at once
+    assert decide(POLICY, current=3, demand=0, now=1.0, memory=memory) == 3  # idle, but not for long
+    assert decide(POLICY, current=3, demand=0, now=9.0, memory=memory) == 3
+    assert decide(POLICY, current=3, demand=12, now=9.5, memory=memory) == 3  # busy again: the clock restarts
+    assert decide(POLICY, current=3, demand=0, now=10.0, memory=memory) == 3
+    assert decide(POLICY, current=3, demand=0, now=19.9, memory=memory) == 3
+    assert decide(POLICY, current=3, demand=0, now=20.0, memory=memory) == 0  # a full idle delay: to zero
+
+
+def _until(predicate, timeout: float, what: str):  # type: ignore[no-untyped-def]
+    async def wait():  # type: ignore[no-untyped-def]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            if value := predicate():
+                return value
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    return wait()
+
+
+def test_scale_up_on_demand_then_to_zero_when_idle_then_a_cold_start(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    pkg = tmp_path / "pkg"
+    shutil.copytree(EXAMPLE, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    manifest = pkg / "ember.toml"
+    text = manifest.read_text().replace("prewarm = true", "prewarm = false")
+    text = text.replace('scale_down_delay = "5m"', 'scale_down_delay = "1s"')
+    text = text.replace("target_concurrency = 16", "target_concurrency = 1")
+    manifest.write_text(text)
+    registry = LocalRegistry(tmp_path / "registry")
+    push_package(pkg, registry)
+
+    async def scenario() -> None:
+        plane = ControlPlane(registry, packages_dir=tmp_path / "packages", cache=BlobCache(tmp_path / "cache"),
+                             launcher=LocalProcessLauncher(log_dir=tmp_path / "logs", drain_timeout=5),
+                             probe_interval=0.1)
+        await plane.start()
+        try:
+            dep = await plane.deploy("tiny-llama")
+            assert dep.desired == 0 and not dep.replicas  # scale to zero: nothing runs before traffic
+            [first] = await plane.acquire("tiny-llama")  # a cold start
+            # The gateway counts the requests it has open on a replica; three of them want three replicas,
+            # capped at max_replicas = 2.
+            first.in_flight = 3
+            await _until(lambda: len(dep.ready_replicas()) == 2, 90, "a second replica")
+            assert dep.desired == 2 and any("scaling up to 2" in e for e in dep.events)
+
+            # Still busy: nothing is removed however long it takes.
+            await asyncio.sleep(1.5)
+            assert len(dep.ready_replicas()) == 2
+            first.in_flight = 0
+            await _until(lambda: not dep.replicas, 30, "scaling to zero")
+            assert dep.desired == 0 and any("scaled to zero" in e for e in dep.events)
+
+            [again] = await plane.acquire("tiny-llama")  # the next request succeeds after a cold start
+            assert again.state is ReplicaState.READY and again is not first
+        finally:
+            await plane.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), 240))
