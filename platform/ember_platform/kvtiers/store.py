@@ -91,6 +91,7 @@ class KVTierStore:
         self._hot_published: list[tuple[list[BlockHash], int]] | None = None
         self._s3_misses: OrderedDict[BlockHash, float] = OrderedDict()
         self._counter_lock = threading.Lock()
+        self._read_seconds: Counter[str] = Counter()
 
         block_bytes = layout.block_bytes
         self.cpu = (CpuTier(layout, max(1, int(config.cpu_gb * 2**30) // block_bytes), self.dtype,
@@ -180,13 +181,17 @@ class KVTierStore:
             slot = self.cpu.acquire(h) if self.cpu is not None else None
             if slot is not None:
                 out.append(FetchedBlock(h, "cpu", self.cpu.buffer[slot], slot))  # type: ignore[union-attr]
-            elif self.disk is not None and (data := self._read_disk(h)) is not None:
-                out.append(self._promote(h, "disk", data))
             else:
-                break
+                t0 = time.perf_counter()
+                data = self._read_disk(h) if self.disk is not None else None
+                if data is None:
+                    break
+                out.append(self._promote(h, "disk", data))
+                self._measure("disk", self.layout.block_bytes, time.perf_counter() - t0)
             i += 1
         rest = block_hashes[i:]
         if rest and self.s3 is not None and not self._recent_s3_miss(rest[0]):
+            t0 = time.perf_counter()
             try:
                 blobs = self.s3.get_run(rest)
             except S3Unavailable as e:
@@ -195,30 +200,40 @@ class KVTierStore:
                 blobs = []
             if not blobs:
                 self._note_s3_miss(rest[0])
+            found = len(out)
             for h, blob in zip(rest, blobs, strict=False):
                 data = self._decode("s3", h, blob)
                 if data is None:
                     break
                 out.append(self._promote(h, "s3", data))
+            if len(out) > found:
+                self._measure("s3", (len(out) - found) * self.layout.block_bytes, time.perf_counter() - t0)
         for f in out:
             self._count(f"{f.tier}_hits")
         return out
 
     def load(self, fetched: Sequence[FetchedBlock], block_ids: Sequence[int]) -> None:
         """Copy fetched blocks into device blocks `block_ids` (every layer), then unpin them."""
+        t0 = time.perf_counter()
         try:
             if not fetched:
                 return
             ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+            # src: [n, layers, 2, kv_heads, block_size, head_dim] on the host, pinned for a GPU (one DMA up)
+            src = torch.empty((len(fetched), *self.layout.block_shape), dtype=self.dtype,
+                              pin_memory=self.device.type == "cuda")
             if self.cpu is not None and all(f.slot is not None for f in fetched):
-                src = self.cpu.buffer[torch.tensor([f.slot for f in fetched], dtype=torch.long)]
+                slots = torch.tensor([f.slot for f in fetched], dtype=torch.long)
+                torch.index_select(self.cpu.buffer, 0, slots, out=src)
             else:
-                src = torch.stack([f.data for f in fetched])
-            src = src.to(self.device)  # src: [n, layers, 2, kv_heads, block_size, head_dim]
+                torch.stack([f.data for f in fetched], out=src)
+            src = src.to(self.device)
             for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
                 k_cache[ids] = src[:, layer, 0]
                 v_cache[ids] = src[:, layer, 1]
             self._count("loaded_tokens", len(fetched) * self.layout.block_size)
+            # Host -> device, for blocks already on the host: the CPU tier's cost.
+            self._measure("cpu", len(fetched) * self.layout.block_bytes, time.perf_counter() - t0)
         finally:
             self.release(fetched)
 
@@ -299,10 +314,14 @@ class KVTierStore:
 
     def _gather(self, ids: torch.Tensor) -> torch.Tensor:
         """Device blocks `ids` of every layer as one host tensor [n, layers, 2, kv_heads, block_size, head_dim]."""
+        if self.device.type != "cpu":
+            # Gather on the device, then one copy down into pinned memory (a DMA), not 2 x layers small ones.
+            blocks = torch.stack([torch.stack((k[ids], v[ids]), dim=1) for k, v in self.kv_caches], dim=1)
+            return torch.empty(blocks.shape, dtype=self.dtype, pin_memory=True).copy_(blocks)
         out = torch.empty((len(ids), *self.layout.block_shape), dtype=self.dtype)
         for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
-            out[:, layer, 0] = k_cache[ids].cpu()
-            out[:, layer, 1] = v_cache[ids].cpu()
+            out[:, layer, 0] = k_cache[ids]
+            out[:, layer, 1] = v_cache[ids]
         return out
 
     def _promote(self, block_hash: BlockHash, tier: str, data: torch.Tensor) -> FetchedBlock:
@@ -375,6 +394,18 @@ class KVTierStore:
         while len(self._s3_misses) > _S3_MISS_MEMORY:
             self._s3_misses.popitem(last=False)
 
+    def _measure(self, tier: str, num_bytes: int, seconds: float) -> None:
+        with self._counter_lock:
+            self.counters[f"{tier}_read_bytes"] += num_bytes
+            self._read_seconds[tier] += seconds
+
+    def read_bandwidth(self) -> dict[str, float]:
+        """Measured bytes/s of reading blocks from each tier so far (for the router's fetch-vs-recompute price:
+        a block costs `layout.block_bytes / bandwidth` seconds from that tier)."""
+        with self._counter_lock:
+            return {tier: self.counters[f"{tier}_read_bytes"] / seconds
+                    for tier, seconds in self._read_seconds.items() if seconds > 0}
+
     def _count(self, name: str, n: int = 1) -> None:
         with self._counter_lock:  # writer threads count too
             self.counters[name] += n
@@ -382,9 +413,15 @@ class KVTierStore:
     # --- metrics and lifecycle ------------------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
-        """Counters and sizes, each named `kv_tier_*` (merged into the engine's stats)."""
+        """Counters and sizes, each named `kv_tier_*` (merged into the engine's stats): `<tier>_hits` blocks loaded
+        from a tier, `loaded_tokens` in all, `saved_blocks` written through, `<tier>_stored` / `_evicted`
+        membership changes, `<tier>_blocks` held now, `corrupt_blocks` and `rejected_blocks` (another model's)
+        dropped, `s3_fallbacks` lookups S3 could not answer (recomputed), writer queue counts, and
+        `<tier>_read_bandwidth` in bytes/s."""
         with self._counter_lock:
             out: dict[str, float] = {f"kv_tier_{k}": float(v) for k, v in self.counters.items()}
+        for tier, bandwidth in self.read_bandwidth().items():
+            out[f"kv_tier_{tier}_read_bandwidth"] = bandwidth
         for name, tier in (("cpu", self.cpu), ("disk", self.disk)):
             if tier is not None:
                 out[f"kv_tier_{name}_blocks"] = float(len(tier))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from ember_platform import LLM, SamplingParams
+from ember_platform.engine.block_hash import hash_blocks
 from ember_platform.engine.outputs import CompletionOutput
 from ember_platform.kvtiers import TierEvent, seed
 
@@ -26,6 +28,7 @@ SYSTEM = [rng.randrange(5, 4096) for _ in range(PREFIX)]
 FIRST = [*SYSTEM, *(rng.randrange(5, 4096) for _ in range(10))]
 SECOND = [*SYSTEM, *(rng.randrange(5, 4096) for _ in range(10))]
 FILLER = [rng.randrange(5, 4096) for _ in range(240)]  # with its 8 outputs, the whole pool: evicts everything
+SYSTEM_HASHES = hash_blocks(SYSTEM, BLOCK)
 CPU_SMALL = 8 * 4 * 2 * 2 * 16 * 64 * 4 / 2**30  # 8 blocks of the example's KV (64 KiB each), in GiB
 
 
@@ -51,14 +54,7 @@ def compute_then_evict(llm: LLM) -> None:
     generate(llm, FIRST)
     generate(llm, FILLER)
     assert llm.engine.kv_tiers is not None and llm.engine.kv_tiers.flush()
-    hashes = llm.engine.kv.pool.cached
-    assert not any(h in hashes for h in _prefix_hashes(llm)), "the prefix is still on the device"
-
-
-def _prefix_hashes(llm: LLM) -> list[bytes]:
-    from ember_platform.engine.block_hash import hash_blocks
-
-    return hash_blocks(SYSTEM, BLOCK)
+    assert not set(SYSTEM_HASHES) & set(llm.engine.kv.pool.cached), "the prefix is still on the device"
 
 
 def tier_stats(llm: LLM) -> dict[str, float]:
@@ -86,6 +82,7 @@ def test_greedy_output_is_identical_when_the_prefix_comes_from_a_tier(tier, refe
     stats = tier_stats(llm)
     source = tier.split("-")[0]
     assert stats[f"{source}_hits"] == PREFIX // BLOCK and stats["loaded_tokens"] == PREFIX
+    assert llm.engine.kv_tiers.read_bandwidth()[source] > 0  # measured, for routing's fetch-vs-recompute price
     if tier == "disk-below-cpu":
         assert stats.get("cpu_hits", 0) == 0 and stats["cpu_blocks"] == 8
     llm.engine.kv_tiers.close()
@@ -136,8 +133,6 @@ def test_s3_going_down_mid_run_fails_no_request(reference, own_moto) -> None:
 def test_a_silent_s3_endpoint_costs_a_bounded_wait(reference, silent_endpoint) -> None:
     llm = LLM(EXAMPLE, kv_tiers={"cpu_gb": 0, "s3_url": "s3://bucket/kv", "s3_endpoint_url": silent_endpoint,
                                  "s3_timeout_s": 0.2, "s3_breaker_failures": 1, "s3_breaker_cooldown_s": 60})
-    import time
-
     t0 = time.perf_counter()
     outs = [generate(llm, p) for p in others(4, 1)]
     assert time.perf_counter() - t0 < 10
@@ -152,7 +147,7 @@ def test_a_corrupt_block_is_dropped_and_recomputed(damage, reference, tmp_path) 
     llm = LLM(EXAMPLE, num_kv_blocks=POOL, kv_tiers={"cpu_gb": 0, "disk_dir": str(tmp_path)})
     compute_then_evict(llm)
     disk = llm.engine.kv_tiers.disk
-    victim = disk.path(_prefix_hashes(llm)[3])
+    victim = disk.path(SYSTEM_HASHES[3])
     data = bytearray(victim.read_bytes())
     if damage == "flip":
         data[len(data) // 2] ^= 0x40
@@ -174,7 +169,7 @@ def test_a_corrupt_s3_object_is_refused(reference, moto) -> None:
     bucket = moto.new_bucket()
     llm = LLM(EXAMPLE, num_kv_blocks=POOL, kv_tiers={"cpu_gb": 0, **s3_option(moto, bucket)})
     compute_then_evict(llm)
-    key = llm.engine.kv_tiers.s3.key(_prefix_hashes(llm)[0])
+    key = llm.engine.kv_tiers.s3.key(SYSTEM_HASHES[0])
     client = moto.client()
     body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
     body[-40] ^= 0x01
@@ -236,7 +231,7 @@ def test_tier_membership_events_for_routing(tmp_path) -> None:
     events: list[TierEvent] = []
     llm.engine.kv_tiers.add_listener(events.append)
     compute_then_evict(llm)
-    prefix = _prefix_hashes(llm)
+    prefix = SYSTEM_HASHES
     stored = {tier: [h for e in events if e.tier == tier for h in e.stored] for tier in ("cpu", "disk")}
     removed = {tier: [h for e in events if e.tier == tier for h in e.removed] for tier in ("cpu", "disk")}
     # 8 CPU slots: the first 8 prefix blocks fit (the other two go to disk only), then FILLER pushed them out.
@@ -267,7 +262,7 @@ def test_kv_dtype_round_trips_in_bfloat16(tmp_path) -> None:
     generate(llm, FIRST)
     assert llm.engine.kv_tiers.flush()
     store = llm.engine.kv_tiers
-    h = _prefix_hashes(llm)[0]
+    h = SYSTEM_HASHES[0]
     block_id = llm.engine.kv.pool.lookup(h)
     fetched = store.fetch([h])
     k_cache = store.kv_caches[0][0]

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from ember_platform.engine.block_hash import BlockHash
 from ember_platform.engine.kv_cache_manager import KVCacheManager
-from ember_platform.engine.request import Request
+from ember_platform.engine.request import Request, RequestStatus
 from ember_platform.engine.scheduler import Scheduler
 
 BLOCK = 4
@@ -84,7 +84,7 @@ def simulate(prompts: list[list[int]], num_blocks: int, tiers: MemoryTiers | Non
                     if len(r.output_token_ids) >= 4:
                         outputs[r.request_id] = list(r.output_token_ids)
                         cached[r.request_id] = r.num_cached_tokens
-                        sched.finish(r, r.status.FINISHED_LENGTH)
+                        sched.finish(r, RequestStatus.FINISHED_LENGTH)
     return outputs, cached, kv
 
 
