@@ -112,8 +112,9 @@ class LLMEngine:
         self.block_size = rt.kv_block_size
         num_blocks = engine_only.get("num_kv_blocks") or self._num_kv_blocks()
         num_layers, kv_heads, head_dim = kv_cache_shape(self.hf_config)
-        caches = allocate_kv_caches(num_layers, num_blocks, self.block_size, kv_heads, head_dim, self.dtype,
-                                    self.device)
+        self._kv_cache_spec = (num_layers, num_blocks, self.block_size, kv_heads, head_dim, self.dtype, self.device)
+        caches = allocate_kv_caches(*self._kv_cache_spec)
+        self.sleeping = False
         # KV tiers below the device (kvtiers/): None unless the `kv_tiers` engine option turns a tier on.
         self.kv_tiers = KVTierStore.for_engine(
             engine_only.get("kv_tiers"), block_size=self.block_size, kv_caches=caches, device=self.device,
@@ -230,6 +231,8 @@ class LLMEngine:
             raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size})")
         if lora_name is not None and lora_name not in self.lora.specs:
             raise UnknownLoRAError(lora_name, self.lora.names)
+        if self.sleeping:  # a request is what wakes a sleeping engine
+            self.wake()
         req = Request(request_id, ids, params, next(self._arrivals), lora_name=lora_name, cache_salt=cache_salt)
         stop = StopStringMatcher(params.stop) if params.stop else None
         self._states[request_id] = _RequestState(IncrementalDetokenizer(self.tokenizer, ids), stop,
@@ -391,6 +394,39 @@ class LLMEngine:
             if req.params.max_tokens is not None:
                 room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
             req.spec_token_ids = proposal.token_ids[:max(0, min(k, room))]
+
+    # --- sleep ------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Free the KV cache, the engine's largest allocation, and keep the weights loaded.
+
+        The state between warm and zero: `wake()` only reallocates the cache (milliseconds), where a
+        cold start spawns a process and loads (and quantizes) the weights. Cached prefixes are
+        forgotten (routing sees them evicted); with KV tiers on they stay in the lower tiers.
+        """
+        if self.sleeping:
+            return
+        if self.has_unfinished():
+            raise RuntimeError("cannot sleep with requests in flight; drain first")
+        if not self.kv.pool.reset_prefix_cache():
+            raise RuntimeError("cannot sleep: KV blocks are still in use")
+        self.runner.kv_caches = []
+        if self.kv_tiers is not None:
+            self.kv_tiers.kv_caches = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.sleeping = True
+
+    def wake(self) -> float:
+        """Reallocate the KV cache after `sleep()`; returns the seconds it took."""
+        t0 = time.perf_counter()
+        if self.sleeping:
+            caches = allocate_kv_caches(*self._kv_cache_spec)
+            self.runner.kv_caches = caches
+            if self.kv_tiers is not None:
+                self.kv_tiers.kv_caches = list(caches)
+            self.sleeping = False
+        return time.perf_counter() - t0
 
     def forget(self, request_id: str) -> None:
         """Drop the output state of a finished request (after its last output was delivered)."""
