@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import json
 from typing import Any
 
 from common import (
@@ -41,6 +42,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default 256, --quick 64)")
     parser.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: the manifest's)")
     parser.add_argument("--dtype", default=None, help="engine dtype (default: the engine's choice)")
+    parser.add_argument("--options", type=json.loads, default=None,
+                        help='speculator options as JSON, e.g. \'{"adaptive": false, "min_ngram": 1}\'')
 
 
 def main() -> None:
@@ -53,6 +56,8 @@ def main() -> None:
     spec_overrides: dict[str, Any] = {"speculator": "ngram"}
     if args.k:
         spec_overrides["num_speculative_tokens"] = args.k
+    if args.options:
+        spec_overrides["speculator_options"] = args.options
     plain = LLM(args.model, **common_overrides).engine
     spec = LLM(args.model, **common_overrides, **spec_overrides).engine
     source = inspect.getsource(importlib.import_module(args.source))
@@ -95,8 +100,9 @@ def main() -> None:
         "none_tok_s": round(median(plain_rates), 1), "ngram_runs": [round(r, 1) for r in spec_rates],
         "none_runs": [round(r, 1) for r in plain_rates], "acceptance": round(acceptance, 4),
         "draft_tokens": drafts, "accepted_tokens": accepted, "tokens_per_step": round(tokens_per_step, 3),
-        "outputs_identical": same, "k": k, "prompt_len": prompt_len, "max_tokens": max_tokens,
-        "source": args.source, "dtype": str(plain.dtype).removeprefix("torch."), **environment(args),
+        "outputs_identical": same, "k": k, "options": args.options or {}, "prompt_len": prompt_len,
+        "max_tokens": max_tokens, "source": args.source, "dtype": str(plain.dtype).removeprefix("torch."),
+        **environment(args),
     }
     if args.profile:
         for name, engine in (("ngram", spec), ("none", plain)):

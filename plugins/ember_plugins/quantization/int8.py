@@ -1,66 +1,173 @@
-"""`int8`: weight-only quantization, one scale per output channel.
+"""`int8`: int8 weights, one scale per output channel, with a matmul kernel chosen per machine.
 
-Decode at small batch is bound by reading weights, so halving (vs bf16) or quartering (vs
-fp32) the bytes read is the whole win: `torch._weight_int8pack_mm` reads int8 weights and
-scales them on the fly. For large batches (prefill) compute dominates instead, and that kernel
-is slower than a dense GEMM, so we dequantize the layer's weights and use the dense path.
+Decode at small batch is bound by reading weights, so reading a quarter of the fp32 bytes (half
+of bf16) is the whole win, if the kernel streams int8 at memory speed. Kernels, measured on a
+2-core AVX2 CPU (int8 weight bytes per second over 4 layers of llama-150m; see the README of bench/):
+
+* `native` (`ember_kernels.cpu.int8_linear`, C compiled on first use): weight-only, float32
+  activations and accumulation. ~6.5-9 GB/s at 1-2 rows, ~4.5 at 4, ~2.4 at 8; beats fp32 MKL at
+  every batch size measured, up to 64-row prefills.
+* `fbgemm` (`quantized.linear_dynamic`): quantizes the activations too (W8A8), then an int8 GEMM.
+  ~5 GB/s, almost flat from 1 to 8 rows, fastest at prefill sizes. We make each row's activation
+  quantization independent of the other rows (see `_fbgemm_linear`). Held-out loss of the example
+  model: +0.02% (weight-only: +0.001%), within the 2% budget (`bench/eval_int8_quality.py`).
+* `int8pack` (`torch._weight_int8pack_mm`): weight-only, bf16 activations; ~2-3 GB/s at 1-4 rows,
+  1.2 GB/s at 8. Works everywhere torch does (CUDA included).
+* dense: the weights dequantized once and kept, for batches above `dense_threshold` rows, where a
+  dense GEMM beats the int8 kernel (int8pack on large prefills; on this CPU never the others).
+
+Every kernel gives a row the same result whatever else is in the batch, so batching and speculative
+verification never change a request's numerics.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ember_kernels.cpu.int8_linear import int8_linear, int8_linear_available
 from ember_platform.engine.quantization import Quantizer, linear_layers
+
+KERNELS = ("auto", "native", "fbgemm", "int8pack")
+# Rows above which int8pack loses to a dense GEMM on the dequantized weights; native and fbgemm
+# never did on the CPU measured (fp32 MKL runs 22 GFLOP/s there), so their default is no dense path.
+INT8PACK_DENSE_THRESHOLD = 32
+
+
+def fbgemm_available() -> bool:
+    """Whether this torch build has the fbgemm (x86) dynamic int8 linear."""
+    engines = torch.backends.quantized.supported_engines
+    return ("fbgemm" in engines or "x86" in engines) and hasattr(torch.ops.quantized, "linear_dynamic")
+
+
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """The kernel that "auto" stands for on `device`; a named kernel is checked and kept."""
+    if kernel not in KERNELS:
+        raise ValueError(f"[quantization] options: kernel '{kernel}' is not one of {', '.join(KERNELS)}")
+    if kernel == "auto":
+        if device.type != "cpu":
+            return "int8pack"
+        return "native" if int8_linear_available() else "fbgemm" if fbgemm_available() else "int8pack"
+    return kernel
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: (qweight [out, in] int8, scale [out] float32)."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)  # [out]
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def _fbgemm_prepack(qweight: torch.Tensor, scale: torch.Tensor) -> Any:
+    zero_points = torch.zeros(scale.shape, dtype=torch.long)
+    with warnings.catch_warnings():
+        # torch deprecates creating quantized tensors, but linear_prepack takes nothing else; when
+        # it is removed, `fbgemm_available` turns false and "auto" never picks fbgemm.
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+        qtensor = torch._make_per_channel_quantized_tensor(qweight, scale.double(), zero_points, 0)
+    return torch.ops.quantized.linear_prepack(qtensor, None)
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (w_int8 * scale).T + bias, with w_int8: [out, in] int8 and scale: [out]."""
+    """y = x @ (qweight * scale).T + bias, with qweight: [out, in] int8 and scale: [out]."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype,
-                 dense_threshold: int) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str = "auto",
+                 dense_threshold: int | None = None) -> None:
         super().__init__()
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)  # [out]
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        # The int8 kernel is fast with bf16 activations on CPU; fp32 activations take a slow path.
-        self.compute_dtype = torch.bfloat16 if compute_dtype == torch.float32 else compute_dtype
-        self.register_buffer("scale", scale.to(self.compute_dtype))
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.kernel = kernel = resolve_kernel(kernel, weight.device)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        qweight, scale = quantize_per_channel(weight)
+        self.register_buffer("qweight", qweight.to(weight.device))
+        self.register_buffer("scale", scale.to(weight.device))
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.dense_threshold = dense_threshold
+        self._dense: torch.Tensor | None = None  # dequantized weight, made on the first large batch
+        if kernel == "fbgemm":
+            self._packed = _fbgemm_prepack(qweight.cpu(), scale.cpu())
+            # A constant extra row holding -1 and +1: see `_fbgemm_linear`.
+            range_row = torch.zeros(1, self.in_features)
+            range_row[0, 0], range_row[0, 1] = -1.0, 1.0
+            self._range_row = range_row
+        elif kernel == "int8pack":
+            self._scale_bf16 = self.scale.to(torch.bfloat16)  # int8pack wants scales in the activations' dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in]
+        # x: [..., in] -> [..., out]
         shape, out_dtype = x.shape, x.dtype
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] <= self.dense_threshold:
-            y = torch._weight_int8pack_mm(x2.to(self.compute_dtype).contiguous(), self.qweight, self.scale)
+        y: torch.Tensor | None
+        if self.dense_threshold is not None and x2.shape[0] > self.dense_threshold:
+            y = F.linear(x2, self._dense_weight(out_dtype))
+        elif self.kernel == "native":
+            y = int8_linear(x2, self.qweight, self.scale)
+            if y is None:  # only if the library vanished after we chose it: stay correct
+                y = F.linear(x2, self._dense_weight(out_dtype))
+        elif self.kernel == "fbgemm":
+            y = self._fbgemm_linear(x2.float())
         else:
-            dense = self.qweight.to(out_dtype) * self.scale.to(out_dtype)[:, None]
-            y = x2 @ dense.T
+            # The kernel's fast path is bf16 activations on CPU: fp32 ones ran 2x slower, fp16 7x.
+            y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.qweight, self._scale_bf16)
         y = y.to(out_dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
 
+    def _fbgemm_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """fbgemm's dynamic linear, with each row's activations quantized on their own.
+
+        linear_dynamic picks one activation scale and zero point from the min and max of the whole
+        input, so one row's outlier would coarsen every other row's quantization: a request's
+        numerics would depend on what it is batched with, and speculation (k + 1 rows of one request)
+        could change a greedy result. So each row is divided by its own max |x| and a constant row
+        (-1, +1, 0, ...) is appended: the input's min and max are then always exactly -1 and +1,
+        the same quantization for every row whatever the batch, and the linear map lets us multiply
+        each output row back by its max. `reduce_range` keeps activations to 7 bits so that AVX2's
+        u8 x s8 pair sums cannot saturate int16.
+        """
+        # Few ops on purpose: at decode each is a fixed cost paid by every linear of every step.
+        row_max = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True)  # [M, 1], max |x|
+        row_max.clamp_min_(torch.finfo(torch.float32).tiny)
+        x_normed = torch.cat((self._range_row, x / row_max))  # [1 + M, in], values in [-1, 1]
+        y = torch.ops.quantized.linear_dynamic(x_normed, self._packed, True)[1:]
+        return y.mul_(row_max)
+
+    def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if self._dense is None or self._dense.dtype != dtype:
+            self._dense = (self.qweight.to(torch.float32) * self.scale[:, None]).to(dtype)
+        return self._dense
+
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, int8 per-channel"
+        dense = "" if self.dense_threshold is None else f", dense above {self.dense_threshold} rows"
+        return f"in={self.in_features}, out={self.out_features}, int8 per-channel, kernel={self.kernel}{dense}"
 
 
 class Int8Quantizer(Quantizer):
-    """Options: `skip` (module names kept in full precision, default ["lm_head"]),
-    `dense_threshold` (rows above which the dequantized dense path is used, default 32)."""
+    """Options: `skip` (module names kept in full precision, default ["lm_head"]); `kernel` ("auto":
+    on CPUs native where the C kernels build, else fbgemm where torch has it, else int8pack; off the
+    CPU int8pack); `dense_threshold` (rows above which dequantized dense weights are used, kept in
+    memory once made; default 32 for int8pack, none for the others; a negative value: never)."""
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
         self.skip = tuple(self.options.get("skip", ("lm_head",)))
-        self.dense_threshold = int(self.options.get("dense_threshold", 32))
+        self.kernel = str(self.options.get("kernel", "auto"))
+        if self.kernel not in KERNELS:  # fail before any weights are loaded
+            raise ValueError(f"[quantization] options: kernel '{self.kernel}' is not one of {', '.join(KERNELS)}")
+        threshold = self.options.get("dense_threshold")
+        self.dense_threshold = None if threshold is None else int(threshold)
 
     def quantize(self, model: nn.Module) -> nn.Module:
         for parent, name, layer in list(linear_layers(model, self.skip)):
-            setattr(parent, name, Int8Linear(layer.weight, layer.bias, layer.weight.dtype, self.dense_threshold))
+            kernel = resolve_kernel(self.kernel, layer.weight.device)
+            setattr(parent, name, Int8Linear(layer.weight, layer.bias, kernel, self._threshold(kernel)))
         return model
+
+    def _threshold(self, kernel: str) -> int | None:
+        if self.dense_threshold is None:
+            return INT8PACK_DENSE_THRESHOLD if kernel == "int8pack" else None
+        return None if self.dense_threshold < 0 else self.dense_threshold

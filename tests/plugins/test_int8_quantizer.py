@@ -1,0 +1,129 @@
+"""The `int8` quantizer: each kernel computes the same linear map, a row's result never depends on the
+rows batched with it, the dense path dequantizes once, and options are checked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ember_kernels.cpu.int8_linear import int8_linear_available
+from ember_platform import LLM, SamplingParams
+from ember_plugins.quantization.int8 import (
+    INT8PACK_DENSE_THRESHOLD,
+    Int8Linear,
+    Int8Quantizer,
+    fbgemm_available,
+    quantize_per_channel,
+    resolve_kernel,
+)
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama"
+KERNELS = [
+    "int8pack",
+    pytest.param("fbgemm", marks=pytest.mark.skipif(not fbgemm_available(), reason="torch built without fbgemm")),
+    pytest.param("native", marks=pytest.mark.skipif(not int8_linear_available(), reason="no native CPU kernels")),
+]
+
+
+def layer(out_features: int = 48, in_features: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(out_features, in_features, generator=gen) * 0.05, torch.randn(out_features, generator=gen)
+
+
+def test_per_channel_quantization_round_trips_within_half_a_step() -> None:
+    weight, _ = layer()
+    qweight, scale = quantize_per_channel(weight)
+    assert qweight.dtype == torch.int8 and scale.shape == (weight.shape[0],)
+    assert int(qweight.abs().max()) == 127  # each row's largest weight uses the whole range
+    assert torch.all((qweight.float() * scale[:, None] - weight).abs() <= scale[:, None] / 2 + 1e-7)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_kernel_computes_the_linear_map(kernel: str, dtype: torch.dtype) -> None:
+    weight, bias = layer()
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(1))  # [..., in] with two leading dims
+    expected = x @ weight.T + bias
+    y = Int8Linear(weight.to(dtype), bias.to(dtype), kernel)(x.to(dtype))
+    assert y.shape == (2, 3, 48) and y.dtype == dtype
+    # int8 weights (and, for fbgemm, 7-bit activations) on a unit-scale output: a few percent at most.
+    assert float((y.float() - expected).abs().max()) < 0.03 * float(expected.abs().max())
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_row_does_not_depend_on_its_batch(kernel: str) -> None:
+    weight, bias = layer()
+    module = Int8Linear(weight, bias, kernel)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
+    x[1] *= 1000  # an outlier row: with one activation scale for the whole batch it would coarsen the others
+    x[2] = 0
+    alone = torch.cat([module(x[i:i + 1]) for i in range(4)])
+    assert torch.equal(module(x), alone)
+
+
+def test_dense_path_dequantizes_once() -> None:
+    weight, bias = layer()
+    module = Int8Linear(weight, bias, "int8pack", dense_threshold=4)
+    x = torch.randn(8, 64)
+    first = module(x)
+    dense = module._dense
+    assert dense is not None and torch.equal(dense, quantize_per_channel(weight)[0].float()
+                                             * quantize_per_channel(weight)[1][:, None])
+    assert torch.equal(module(x), first) and module._dense is dense  # kept, not made again
+    module(x[:4])  # at or under the threshold: the int8 kernel, the dense weights untouched
+    assert module._dense is dense
+
+
+def test_quantizer_replaces_linears_but_skipped_ones() -> None:
+    model = nn.Sequential()
+    model.add_module("proj", nn.Linear(64, 32))
+    model.add_module("lm_head", nn.Linear(32, 16))
+    Int8Quantizer({"kernel": "int8pack"}).quantize(model)
+    assert isinstance(model.proj, Int8Linear) and isinstance(model.lm_head, nn.Linear)
+    assert model.proj.kernel == "int8pack" and model.proj.dense_threshold == INT8PACK_DENSE_THRESHOLD
+
+
+@pytest.mark.skipif(not int8_linear_available(), reason="no native CPU kernels")
+def test_auto_picks_the_native_kernel_on_cpu_without_a_dense_path() -> None:
+    assert resolve_kernel("auto", torch.device("cpu")) == "native"
+    model = nn.Sequential(nn.Linear(64, 32))
+    Int8Quantizer({}).quantize(model)
+    assert model[0].kernel == "native" and model[0].dense_threshold is None
+
+
+def test_auto_picks_int8pack_off_the_cpu() -> None:
+    assert resolve_kernel("auto", torch.device("meta")) == "int8pack"
+
+
+def test_dense_threshold_option() -> None:
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8))
+    Int8Quantizer({"kernel": "int8pack", "dense_threshold": -1}).quantize(model)
+    assert model[0].dense_threshold is None  # negative: never dense
+    model = nn.Sequential(nn.Linear(64, 32))
+    Int8Quantizer({"kernel": "int8pack", "dense_threshold": 8}).quantize(model)
+    assert model[0].dense_threshold == 8
+
+
+def test_unknown_kernel_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"kernel 'int4' is not one of auto, native, fbgemm, int8pack"):
+        Int8Quantizer({"kernel": "int4"})
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_int8_with_speculation_and_batching_is_exact_for_greedy(kernel: str) -> None:
+    # A request's tokens must not depend on the rows computed with it: drafts (k + 1 rows of one
+    # request) or other requests in the batch.
+    code = list(range(100, 140)) * 3
+    others = [[5 + i, 77, 300 + i, 9] * 3 for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    # The dense path off: prefill rows then go through the same kernel as decode rows.
+    int8 = {"quantization": "int8", "quantization_options": {"kernel": kernel, "dense_threshold": -1}}
+    alone = LLM(EXAMPLE, **int8).generate([code], params)[0].token_ids
+    batched = LLM(EXAMPLE, **int8).generate([code, *others], params)[0].token_ids
+    spec = LLM(EXAMPLE, **int8, speculator="ngram", num_speculative_tokens=4)
+    assert batched == alone
+    assert spec.generate([code], params)[0].token_ids == alone
+    assert spec.engine.num_draft_tokens > 0
