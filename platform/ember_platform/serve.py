@@ -23,11 +23,12 @@ from ember_platform.control.launcher import LocalProcessLauncher
 from ember_platform.control.plane import ControlPlane
 from ember_platform.gateway.app import create_app
 from ember_platform.gateway.auth import ADMIN_KEY_ENV, Authenticator, KeyStore
+from ember_platform.gateway.proxy import ReplicaChooser, RoundRobin
 
 logger = logging.getLogger("ember.serve")
 
 READY_LINE = "EMBER_SERVE_READY"
-REDIS_REFUSED = "Redis routing tables arrive with the routing issue; omit --redis-url"
+ROUTING_ENV = "EMBER_ROUTING"  # "kv" (default: prefix + load + lora scorers) or "round-robin"
 GRACEFUL_SHUTDOWN_S = 30.0
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
@@ -79,6 +80,27 @@ def _authenticator(home: Path, no_auth: bool, host: str, say: Callable[[str], No
     return Authenticator.from_env(store)
 
 
+def _chooser(redis_url: str | None, say: Callable[[str], None]) -> ReplicaChooser:
+    """The gateway's routing: KV-aware over Redis tables (shared with other gateways) or in-process ones."""
+    policy = os.environ.get(ROUTING_ENV, "kv")
+    if policy not in ("kv", "round-robin"):
+        raise EmberError(f"{ROUTING_ENV}={policy!r}: expected 'kv' or 'round-robin'")
+    if policy == "round-robin" and not redis_url:  # shared tables need the chooser even for round robin
+        return RoundRobin()
+    from ember_platform.gateway.routing import KVAwareChooser
+    from ember_platform.routing import Router, RoutingError, open_tables
+
+    try:
+        tables = open_tables(redis_url)
+        if redis_url:
+            tables.snapshot("-")  # reach Redis now: a wrong URL is a one-line error, not a failure per request
+    except RoutingError as e:
+        raise EmberError(f"--redis-url {redis_url}: {e}") from None
+    if redis_url:
+        say(f"routing tables in Redis at {redis_url} ({policy} routing)")
+    return KVAwareChooser(Router.from_config(tables), observe_routing=redis_url is None, policy=policy)
+
+
 def serve(package_dirs: Sequence[Path] = (), *, host: str = "127.0.0.1", port: int = 8000,
           registry_url: str | None = None, endpoint_url: str | None = None, no_auth: bool = False,
           redis_url: str | None = None, log_level: str = "info", say: Callable[[str], None] | None = None) -> int:
@@ -87,8 +109,7 @@ def serve(package_dirs: Sequence[Path] = (), *, host: str = "127.0.0.1", port: i
     Prints `EMBER_SERVE_READY http://HOST:PORT` when every package's replicas are ready. Returns the exit code.
     """
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
-    if redis_url:
-        raise EmberError(REDIS_REFUSED)
+    chooser = _chooser(redis_url, say)
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(levelname)s:     %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness probe otherwise
@@ -133,7 +154,8 @@ def serve(package_dirs: Sequence[Path] = (), *, host: str = "127.0.0.1", port: i
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    app = create_app(plane, authenticator=authenticator, ready=lambda: bool(state["ready"]), on_startup=on_startup)
+    app = create_app(plane, authenticator=authenticator, chooser=chooser, ready=lambda: bool(state["ready"]),
+                     on_startup=on_startup)
     config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = _Server(config)
     try:

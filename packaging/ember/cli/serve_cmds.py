@@ -35,7 +35,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000; 0 picks a free one)")
     p.add_argument("--registry", metavar="URL", help=REGISTRY_HELP)
     p.add_argument("--endpoint-url", metavar="URL", help=ENDPOINT_HELP)
-    p.add_argument("--redis-url", metavar="URL", help="routing tables in Redis (arrives with the routing work)")
+    p.add_argument("--redis-url", metavar="URL", help="routing tables in Redis, shared with other gateways and "
+                   "replicas (default: in-process tables); EMBER_ROUTING=round-robin turns KV-aware routing off")
     p.add_argument("--no-auth", action="store_true", help="accept requests without API keys (local development "
                    "only: anyone who can reach the port can use and administer every model)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -38,10 +38,11 @@ class Replica:
     stopping: bool = False        # the control plane is draining it (it will not come back)
     in_flight: int = 0            # requests the gateway has open on it
     served: int = 0
+    remote_url: str | None = None  # a replica another gateway's control plane runs, found in the routing tables
 
     @property
     def url(self) -> str | None:
-        return self.handle.url if self.handle else None
+        return self.handle.url if self.handle else self.remote_url
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "version": self.version, "state": str(self.state), "url": self.url,

@@ -1,8 +1,14 @@
 """Forward a request to a ready replica and stream its response back unchanged, chunk by chunk.
 
-The replica is picked by a `ReplicaChooser` (round robin for now). A replica that answers 503 or cannot be reached
-before any byte came back is skipped for another ready one. A client that disconnects closes the upstream stream,
-which the replica sees as a disconnect and aborts the request (freeing its KV blocks).
+The replica is picked by a `ReplicaChooser`: round robin, or the KV-aware router (gateway/routing.py). A replica
+that answers 503 or cannot be reached before any byte came back is skipped for another ready one. A client that
+disconnects closes the upstream stream, which the replica sees as a disconnect and aborts the request (freeing its
+KV blocks).
+
+Pooled connections to a replica can go stale: a replica closes a connection idle for its keep-alive timeout, and
+one that is stopping closes all of its idle ones. The pool drops idle connections well before a replica's timeout
+(`POOL_KEEPALIVE_S` < replica/server.py's `KEEPALIVE_SECONDS`), and a request that meets a connection closed under
+it, before any byte of an answer came back, goes once more to the same replica on a fresh connection.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "prox
                          "transfer-encoding", "upgrade", "server", "date"})
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
               httpx.WriteError)
+# A connection the replica closed as the request went out, before it answered anything: it did not take the request.
+_STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+POOL_KEEPALIVE_S = 30.0  # how long an idle connection to a replica stays pooled: well under a replica's keep-alive
 DEFAULT_RETRY_AFTER_S = 2.0
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away; never sent, only counted
 
@@ -56,7 +65,8 @@ class Proxy:
         self.chooser = chooser or RoundRobin()
         self.connect_timeout = connect_timeout
         # Streams hold their connection for as long as they run: no pool limit, the replicas queue themselves.
-        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                                                            keepalive_expiry=POOL_KEEPALIVE_S))
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -88,10 +98,10 @@ class Proxy:
                     received_at: float) -> UpstreamResponse:
         tried: set[str] = set()
         retry_after: float | None = None
-        candidates = await self.plane.acquire(name)  # waits in the bounded queue, cold-starts if scaled to zero
+        candidates = await self._candidates(name)
         while True:
             dep = self.plane.get(name)
-            replica = self.chooser.choose(dep, candidates, body)
+            replica = await self._choose(dep, candidates, body, request_id)
             tried.add(replica.id)
             request = self.client.build_request(
                 "POST", f"{replica.url}{path}", content=body,
@@ -100,42 +110,83 @@ class Proxy:
             replica.in_flight += 1
             sent = time.monotonic()
             try:
-                response = await self.client.send(request, stream=True)
+                response = await self._send(request, name)
             except _RETRYABLE as e:
                 replica.in_flight -= 1
+                self._release(request_id)
                 logger.warning("%s: replica %s at %s unreachable (%s); trying another", name, replica.id,
                                replica.url, e)
                 self.plane.report_unreachable(dep, replica)
                 response = None
             except httpx.TimeoutException:
                 replica.in_flight -= 1
+                self._release(request_id)
                 raise ProtocolError(504, f"The replica of '{name}' did not answer within the model's request "
                                          f"timeout ({dep.request_timeout:.0f} s).", None, "upstream_timeout") from None
             except httpx.HTTPError as e:
                 replica.in_flight -= 1
+                self._release(request_id)
                 raise ProtocolError(502, f"The replica of '{name}' failed: {type(e).__name__}: {e}", None,
                                     "upstream_error", type="server_error") from None
             except BaseException:
                 replica.in_flight -= 1
+                self._release(request_id)
                 raise
             if response is not None and response.status_code == 503:
                 retry_after = _retry_after(response) or retry_after
                 await response.aclose()
                 replica.in_flight -= 1
+                self._release(request_id)
                 self.plane.report_unavailable(dep, replica)
                 response = None
             if response is not None:
                 self.metrics.upstream_latency.labels(name).observe(time.monotonic() - sent)
-                return UpstreamResponse(response, replica, self._finisher(name, endpoint, replica, received_at))
+                return UpstreamResponse(response, replica,
+                                        self._finisher(name, endpoint, replica, received_at, request_id))
             self.metrics.upstream_retries.labels(name).inc()
-            candidates = [r for r in self.plane.get(name).ready_replicas() if r.id not in tried]
+            candidates = [r for r in await self._candidates(name, wait=False) if r.id not in tried]
             if not candidates:
                 raise NoReplicaAvailable(
                     f"No replica of '{name}' can take the request now: the replicas tried are draining or "
                     f"unreachable. Please retry shortly.", retry_after=retry_after or DEFAULT_RETRY_AFTER_S)
 
-    def _finisher(self, name: str, endpoint: str, replica: Replica, received_at: float) -> Callable[[int], None]:
+    async def _send(self, request: httpx.Request, name: str) -> httpx.Response:
+        try:
+            return await self.client.send(request, stream=True)
+        except _STALE_CONNECTION as e:
+            # Nothing came back, so the replica did not take the request (it closed a pooled connection as the request
+            # went out): sending it again is safe. The pool has dropped that connection; this takes a fresh one or
+            # another live one. A replica that is really gone fails again, and the caller tries another.
+            logger.info("%s: connection to %s closed before any answer (%s: %s); sending the request again",
+                        name, request.url.netloc.decode("ascii", "replace"), type(e).__name__, e)
+            return await self.client.send(request, stream=True)
+
+    async def _candidates(self, name: str, *, wait: bool = True) -> list[Replica]:
+        """Ready replicas for a request: this gateway's own, and with shared routing tables those of other
+        gateways too (then a gateway that runs none routes to them instead of starting one). Otherwise the
+        control plane's bounded queue, which cold-starts a deployment scaled to zero."""
+        dep = self.plane.get(name)
+        remote = getattr(self.chooser, "remote_candidates", None)
+        found = [*dep.ready_replicas(), *(remote(dep) if remote is not None else ())]
+        if found or not wait:
+            return found
+        return await self.plane.acquire(name)
+
+    async def _choose(self, dep: Deployment, candidates: Sequence[Replica], body: bytes, request_id: str) -> Replica:
+        achoose = getattr(self.chooser, "achoose", None)
+        if achoose is not None:  # a router that reserves a slot (released when the request ends)
+            return await achoose(dep, candidates, body, request_id)
+        return self.chooser.choose(dep, candidates, body)
+
+    def _release(self, request_id: str) -> None:
+        release = getattr(self.chooser, "release", None)
+        if release is not None:
+            release(request_id)
+
+    def _finisher(self, name: str, endpoint: str, replica: Replica, received_at: float,
+                  request_id: str) -> Callable[[int], None]:
         def finish(status: int) -> None:
+            self._release(request_id)
             replica.in_flight -= 1
             replica.served += 1
             self.metrics.count(name, endpoint, status)

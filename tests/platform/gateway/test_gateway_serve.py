@@ -269,17 +269,21 @@ def test_ember_call_streams_an_answer(served: Served) -> None:
 # --- replicas: scale, disconnects, drains -------------------------------------------------------------------
 
 
-def test_redeploying_the_active_version_with_more_replicas_scales_it_and_round_robins(served: Served) -> None:
+def test_redeploying_the_active_version_with_more_replicas_scales_it_and_routes_by_prefix(served: Served) -> None:
     response = served.admin("POST", "/admin/deployments", json={"reference": MODEL, "min_replicas": 2})
     assert response.status_code == 201, response.text
     ready = served.ready_replicas()
     assert len(ready) == 2
     before = {r["id"]: r["served"] for r in ready}
     client = served.client()
-    for _ in range(4):
-        chat(client, max_tokens=1)
+    prompt = "Explain what this function does:\n" + "def walk(top):\n    for root, dirs, files in os.walk(top):\n" * 8
+    first = chat(client, prompt, max_tokens=1)
+    for _ in range(3):  # KV-aware routing: the replica that holds the prompt's blocks gets it again
+        again = chat(client, prompt, max_tokens=1)
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert first.usage.prompt_tokens_details is None or not first.usage.prompt_tokens_details.cached_tokens
     after = {r["id"]: r["served"] for r in served.ready_replicas()}
-    assert all(after[i] - before[i] == 2 for i in before), (before, after)
+    assert sorted(after[i] - before[i] for i in before) == [0, 4], (before, after)
 
 
 def replica_metric(url: str, name: str) -> float:
@@ -476,8 +480,15 @@ def test_sigterm_drains_every_replica_and_exits_0(served: Served) -> None:
             os.kill(pid, 0)
 
 
-def test_serve_refuses_a_redis_url_for_now(tmp_path: Path) -> None:
+def test_serve_names_an_unreachable_redis_url_in_one_line(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     env = {**os.environ, "EMBER_HOME": str(tmp_path)}
-    done = ember("serve", "--redis-url", "redis://127.0.0.1:6379", env=env)
+    done = ember("serve", "--redis-url", f"redis://127.0.0.1:{port}/0", env=env)
     assert done.returncode == 1
-    assert "Redis routing tables arrive with the routing issue; omit --redis-url" in done.stderr
+    assert f"--redis-url redis://127.0.0.1:{port}/0:" in done.stderr and "Traceback" not in done.stderr
+    bad = ember("serve", env={**env, "EMBER_ROUTING": "random"})
+    assert bad.returncode == 1 and "EMBER_ROUTING='random': expected 'kv' or 'round-robin'" in bad.stderr

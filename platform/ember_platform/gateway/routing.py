@@ -1,0 +1,194 @@
+"""KV-prefix-, LoRA- and load-aware choice of a replica for each request, through the routing tables.
+
+The gateway turns a request into its prompt's KV block hashes (`routing.prompts.PromptHasher`, the
+package's own tokenizer and chat template, the engine's hash spec) and asks the `Router` for the
+replica whose cost (uncached prefill tokens + load + adapter loading) is lowest within the
+imbalance bound; the reservation it takes is released when the response ends.
+
+Two sources of truth, one code path:
+
+- **Redis tables** (`--redis-url`, several gateways): replicas publish their heartbeats, loads, KV
+  block events and adapters themselves (`routing.ReplicaPublisher`); the gateway only reads and
+  reserves. `observe_routing=False`.
+- **In-process tables** (the embedded default): the gateway keeps the tables itself. It registers
+  the control plane's ready replicas, and after routing a prompt to a replica it records the
+  prompt's blocks there (that replica will hold them once it prefilled them), forgetting the
+  least recently routed blocks beyond the replica's KV capacity: the approximate cache view of
+  SGLang's cache-aware router, which needs nothing from the replicas.
+
+Torch-free; a request the gateway cannot tokenize routes on load alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+from ember_platform.control.deployments import Deployment, Replica
+from ember_platform.routing import (
+    ReplicaLoad,
+    ReplicaRecord,
+    ReplicaState,
+    Reservation,
+    Router,
+    RoutingError,
+    RoutingTables,
+)
+from ember_platform.routing.prompts import PromptHasher
+
+log = logging.getLogger("ember.gateway.routing")
+
+LEASE_S = 30.0
+# Requests a replica is sent at once before the router prefers waiting elsewhere; engines queue beyond
+# max_num_seqs themselves, so the embedded gateway does not cap it (the load scorer prices the queueing).
+UNCAPPED = 1 << 20
+
+
+class KVAwareChooser:
+    """A `ReplicaChooser` for the proxy: `achoose` reserves the best replica, `release` ends the reservation."""
+
+    def __init__(self, router: Router, *, observe_routing: bool, policy: str = "kv",
+                 blocks_per_replica: int = 8192) -> None:
+        if policy not in ("kv", "round-robin"):
+            raise ValueError(f"routing policy must be 'kv' or 'round-robin', got {policy!r}")
+        self.router = router
+        self.policy = policy
+        self._turn = 0
+        self._remote: dict[str, Replica] = {}  # replicas of other gateways' control planes, by id
+        self.tables: RoutingTables = router.tables
+        self.observe_routing = observe_routing
+        self.blocks_per_replica = blocks_per_replica
+        self._incarnation = uuid.uuid4().hex
+        self._epoch: str | None = None
+        self._predicted: dict[str, OrderedDict[bytes, None]] = {}  # replica id -> blocks routed there, LRU
+        self._adapters: dict[str, OrderedDict[str, None]] = {}
+        self._reservations: dict[str, Reservation] = {}  # request id -> its slot
+        self.decisions = {"kv_routed": 0, "load_routed": 0, "cached_blocks": 0}
+
+    # --- the proxy's interface -------------------------------------------------------------------
+
+    def choose(self, deployment: Deployment, candidates: Sequence[Replica], body: bytes) -> Replica:
+        return self._choose(deployment, candidates, body, uuid.uuid4().hex)
+
+    async def achoose(self, deployment: Deployment, candidates: Sequence[Replica], body: bytes,
+                      request_id: str) -> Replica:
+        if self.observe_routing:  # in-process tables: no round trip, no thread
+            return self._choose(deployment, candidates, body, request_id)
+        import asyncio
+
+        return await asyncio.to_thread(self._choose, deployment, candidates, body, request_id)
+
+    def release(self, request_id: str) -> None:
+        reservation = self._reservations.pop(request_id, None)
+        if reservation is not None:
+            try:
+                reservation.release()
+            except RoutingError as e:  # the hold expires by itself
+                log.warning("releasing a routing reservation failed: %s", e)
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def remote_candidates(self, dep: Deployment) -> list[Replica]:
+        """Ready replicas of the active version in shared tables that this gateway does not run itself."""
+        if self.observe_routing:
+            return []
+        try:
+            views = self.tables.snapshot(dep.name)
+        except RoutingError:
+            return []
+        local = {r.id for r in dep.replicas}
+        out = []
+        for view in views:
+            record = view.record
+            if record.state != ReplicaState.READY or record.version != dep.active_version or view.replica_id in local:
+                continue
+            replica = self._remote.get(view.replica_id)
+            if replica is None or replica.remote_url != record.url:
+                replica = self._remote[view.replica_id] = Replica(version=record.version, id=view.replica_id,
+                                                                  remote_url=record.url)
+            out.append(replica)
+        return out
+
+    def _choose(self, dep: Deployment, candidates: Sequence[Replica], body: bytes, request_id: str) -> Replica:
+        candidates = [*candidates, *(r for r in self.remote_candidates(dep) if r not in candidates)]
+        by_id = {r.id: r for r in candidates}
+        hasher = PromptHasher.for_package(dep.active.package_dir)
+        parsed, lora = _parse(body)
+        hashes: tuple[bytes, ...] = ()
+        ids = None
+        if self.policy == "kv":
+            ids = hasher.request_ids(parsed) if parsed is not None else None
+            hashes = hasher.block_hashes(ids, lora=lora, salt=getattr(parsed, "cache_salt", None)) if ids else ()
+        if self.observe_routing:
+            self._register(dep, candidates, hasher.block_size)
+        allowed = set(by_id)
+        if self.policy == "round-robin":  # the baseline: every replica in turn, whatever it holds
+            self._turn += 1
+            allowed = {sorted(by_id)[self._turn % len(by_id)]}
+        try:
+            reservation = self.router.choose(dep.name, hashes, lora, num_prompt_tokens=len(ids or ()),
+                                             allowed=allowed, hold_s=dep.request_timeout + 60)
+        except RoutingError as e:  # tables unreachable or nothing ready in them: the control plane's view decides
+            log.info("%s: routing tables cannot choose (%s); taking the least loaded replica", dep.name, e)
+            self.decisions["load_routed"] += 1
+            return min(candidates, key=lambda r: r.in_flight)
+        self._reservations[request_id] = reservation
+        self.decisions["kv_routed"] += 1
+        self.decisions["cached_blocks"] += reservation.num_cached_blocks
+        replica = by_id[reservation.replica_id]
+        if self.observe_routing:
+            self._record(replica.id, hashes, lora)
+        return replica
+
+    def _register(self, dep: Deployment, candidates: Sequence[Replica], block_size: int) -> None:
+        max_num_seqs = dep.active.manifest.runtime.max_num_seqs
+        for replica in candidates:
+            if replica.url is None:
+                continue
+            record = ReplicaRecord(replica.id, dep.name, replica.url, version=replica.version,
+                                   state=ReplicaState.READY, block_size=block_size,
+                                   load=ReplicaLoad(max_num_seqs=max_num_seqs, capacity=UNCAPPED),
+                                   adapters=frozenset(self._adapters.get(replica.id, ())))
+            result = self.tables.heartbeat(record, incarnation=self._incarnation, epoch=self._epoch, ttl_s=LEASE_S)
+            self._epoch = result.epoch
+            if result.resync:
+                self.tables.replace_blocks(replica.id, list(self._predicted.get(replica.id, ())), ttl_s=LEASE_S)
+
+    def _record(self, replica_id: str, hashes: Sequence[bytes], lora: str | None) -> None:
+        lru = self._predicted.setdefault(replica_id, OrderedDict())
+        for h in hashes:
+            lru[h] = None
+            lru.move_to_end(h)
+        evicted = [lru.popitem(last=False)[0] for _ in range(max(0, len(lru) - self.blocks_per_replica))]
+        self.tables.update_blocks(replica_id, hashes, evicted, ttl_s=LEASE_S)
+        if lora:
+            adapters = self._adapters.setdefault(replica_id, OrderedDict())
+            adapters[lora] = None
+            adapters.move_to_end(lora)
+
+
+def _parse(body: bytes) -> tuple[Any | None, str | None]:
+    """The request as the prompt hasher reads it (chat messages or completion prompts) and its adapter."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None, None
+    if not isinstance(data, dict):
+        return None, None
+    model = data.get("model")
+    lora = model.split(":", 1)[1] if isinstance(model, str) and ":" in model else None
+    salt = data.get("cache_salt") if isinstance(data.get("cache_salt"), str) else None
+    if isinstance(data.get("messages"), list):
+        messages, tools = data["messages"], data.get("tools")
+        return SimpleNamespace(template_messages=lambda: messages, template_tools=lambda: tools,
+                               cache_salt=salt), lora
+    prompt = data.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt):
+        prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+        return SimpleNamespace(prompts=lambda: prompts, cache_salt=salt), lora
+    return None, lora
