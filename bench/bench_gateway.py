@@ -6,9 +6,14 @@ in-process engine, and straight to the gateway's replica, to split the added lat
 
 Three paths, the same workload, every request submitted at once on each:
   in-process  `LLM(model)`'s engine under `AsyncEngine` (the step loop the replica runs), in this process;
-  gateway     `ember serve MODEL --no-auth --port 0` in a subprocess (one replica process), called with
-              `openai.AsyncOpenAI` on /v1/completions: token-id prompts, greedy, EOS ignored, streamed;
+  gateway     `ember serve MODEL --no-auth --port 0` in a subprocess, pinned to one replica process (the
+              autoscaler would start a second at 32 requests in flight), called with `openai.AsyncOpenAI` on
+              /v1/completions: token-id prompts, greedy, EOS ignored, streamed;
   replica     the same requests sent straight to that replica's URL (from GET /models/NAME/info).
+Both sides do the same work per token: token-id prompts (no tokenizing), and the engine detokenizes in its step
+on both; the HTTP paths add the SSE encoding and the client's parsing. The replica, at its default stream event
+rate, sends each stream's tokens of several steps per SSE chunk when many streams are open ("tokens per text
+event" is printed); the in-process side reads every step's output.
 The workload (fixed seed): --requests prompts, lengths uniform in 16..256, outputs uniform in 32..128 tokens.
 Each run sends fresh windows of standard-library code with the same lengths (prefix caching is on in both
 engines, so a prompt seen before would skip its prefill). Output tokens/s = output tokens / wall time, from
@@ -20,7 +25,8 @@ same cores as the server, so its own parsing slows the HTTP paths too: CPU secon
 and `--client raw` (httpx, json.loads per SSE line) shows how much of the loss is the openai client's.
 
 Threads: this process uses `torch.set_num_threads(--threads)`; `ember serve` has no threads flag, so the
-replica gets OMP_NUM_THREADS=--threads (torch's default thread count) and this process's OMP_WAIT_POLICY.
+replica gets OMP_NUM_THREADS=--threads (torch's default thread count; the launcher then passes no --threads of
+its own) and this process's OMP_WAIT_POLICY.
 The default is 1, not 2 as in the other benchmarks: the HTTP paths run three processes (client, gateway,
 replica) on what may be a 2-core machine, and two torch threads in the replica would oversubscribe it.
 """
@@ -209,6 +215,7 @@ class Timing:
     e2e: float = math.nan
     tokens: int = 0
     text: str = ""
+    events: int = 0  # outputs with text: engine outputs in-process, SSE chunks over HTTP
 
 
 @dataclass(slots=True)
@@ -284,8 +291,10 @@ def inprocess_submit(aengine: Any) -> Submit:
         timing = Timing()
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         async for out in aengine.generate(prompt, params):
-            if out.new_text and math.isnan(timing.ttft):
-                timing.ttft = time.perf_counter() - t0
+            if out.new_text:
+                if math.isnan(timing.ttft):
+                    timing.ttft = time.perf_counter() - t0
+                timing.events += 1
             timing.tokens += len(out.new_token_ids)
             timing.text += out.new_text
         timing.e2e = time.perf_counter() - t0
@@ -305,6 +314,7 @@ def openai_submit(client: Any, model: str) -> Submit:
                 if math.isnan(timing.ttft):
                     timing.ttft = time.perf_counter() - t0
                 timing.text += text
+                timing.events += 1
             if chunk.usage is not None:
                 timing.tokens = chunk.usage.completion_tokens
         timing.e2e = time.perf_counter() - t0
@@ -332,6 +342,7 @@ def raw_submit(client: Any, base_url: str, model: str) -> Submit:
                     if math.isnan(timing.ttft):
                         timing.ttft = time.perf_counter() - t0
                     timing.text += text
+                    timing.events += 1
                 if chunk.get("usage"):
                     timing.tokens = chunk["usage"]["completion_tokens"]
         timing.e2e = time.perf_counter() - t0
@@ -351,6 +362,23 @@ async def find_replica(gateway: str, model: str) -> tuple[str, list[dict[str, An
     if not ready:
         raise RuntimeError(f"the gateway reports no ready replica of {model}: {replicas}")
     return ready[0]["url"].rstrip("/"), replicas
+
+
+async def pin_one_replica(gateway: str, model: str) -> None:
+    """Deploy the model again with min = max = 1 replica: one engine against the in-process one.
+
+    The example's [scaling] lets the autoscaler start a second replica at 32 requests in flight (target
+    concurrency 16): on a small machine it would load mid-run on the cores the first one uses, then split the
+    batch between two engines. `ember serve --no-auth` leaves the admin API open.
+    """
+    import httpx
+
+    async with httpx.AsyncClient(timeout=START_TIMEOUT_S) as client:
+        response = await client.post(f"{gateway}/admin/deployments",
+                                     json={"reference": model, "min_replicas": 1, "max_replicas": 1})
+        if response.is_error:
+            raise RuntimeError(f"could not pin {model} to one replica: HTTP {response.status_code}: "
+                               f"{response.text[:500]}")
 
 
 # --- statistics --------------------------------------------------------------------------------
@@ -397,6 +425,7 @@ async def bench(args: argparse.Namespace, server: Server, llm: Any, num_requests
         gw_client = openai.AsyncOpenAI(base_url=f"{gateway}/v1", **client_kwargs)
         clients.append(gw_client)
         model = (await gw_client.models.list()).data[0].id
+        await pin_one_replica(gateway, model)
         raw_client = httpx.AsyncClient(timeout=RUN_TIMEOUT_S, limits=httpx.Limits(max_connections=None))
         clients.append(raw_client)
         replica_url, replicas = await find_replica(gateway, model)
@@ -478,6 +507,10 @@ def report(args: argparse.Namespace, out: dict[str, Any], num_requests: int) -> 
                 [[f"{a} - {b}", *(spread(added_ms[key][stat]) for stat in ("e2e_mean", "e2e_median", "ttft_mean",
                                                                            "ttft_median"))]
                  for key, (a, b) in pairs.items()])
+    per_event = {name: median(sum(t.tokens for t in r.timings) / max(1, sum(t.events for t in r.timings))
+                              for r in runs[name]) for name in PATHS}
+    print("\noutput tokens per text event (engine output in-process, SSE chunk over HTTP), median: "
+          + ", ".join(f"{name} {per_event[name]:.2f}" for name in PATHS))
     procs = ("this", "gateway", "replica")
     cpu = {name: {p: median(r.cpu.get(p, math.nan) for r in runs[name]) for p in procs} for name in PATHS}
     print("\nCPU seconds per run (median), by process; 'this' is the engine for in-process, the client otherwise:")
@@ -506,6 +539,7 @@ def report(args: argparse.Namespace, out: dict[str, Any], num_requests: int) -> 
         "wall_s": {name: [round(r.wall, 3) for r in runs[name]] for name in PATHS},
         "e2e_ms_median": {name: round(median(latency_ms(runs[name], "e2e", median)), 1) for name in PATHS},
         "ttft_ms_median": {name: round(median(latency_ms(runs[name], "ttft", median)), 1) for name in PATHS},
+        "tokens_per_event": {name: round(per_event[name], 2) for name in PATHS},
         "client": args.client,
         "workload": {"num_requests": num_requests, "prompt_len": list(PROMPT_LEN), "output_len": list(OUTPUT_LEN),
                      "prompt_tokens": sum(workload.prompt_lens), "output_tokens": sum(workload.output_lens),

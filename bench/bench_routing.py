@@ -157,10 +157,11 @@ def replica_distribution(gateway_url: str) -> dict[str, int]:
 
 
 def topology_run(args: argparse.Namespace, policy: str, prompts: list[list[int]], concurrency: int,
-                 workdir: Path) -> dict[str, Any]:
+                 workdir: Path, packages: Path) -> dict[str, Any]:
+    workdir.mkdir(parents=True, exist_ok=True)
     redis = Redis(workdir)
-    a = RoutedServer(workdir / "pkg-a", workdir / f"{policy}-a", redis.url, policy)
-    b = RoutedServer(workdir / "pkg-b", workdir / f"{policy}-b", redis.url, policy)
+    a = RoutedServer(packages / "pkg-a", workdir / f"{policy}-a", redis.url, policy)
+    b = RoutedServer(packages / "pkg-b", workdir / f"{policy}-b", redis.url, policy)
     for s in (a, b):
         s.workdir.mkdir(parents=True, exist_ok=True)
     try:
@@ -198,10 +199,11 @@ def main() -> None:
         runs: dict[str, list[dict[str, Any]]] = {"round-robin": [], "kv": []}
         for _ in range(args.repeats):
             for policy in ("round-robin", "kv"):
-                runs[policy].append(topology_run(args, policy, prompts, args.concurrency, workdir / f"run-{policy}"))
+                runs[policy].append(topology_run(args, policy, prompts, args.concurrency, workdir / f"run-{policy}",
+                                                 workdir))
                 shutil.rmtree(workdir / f"run-{policy}", ignore_errors=True)
         hot_prompts = workload(tokenizer, hot_requests, num_prefixes=1, seed=SEED + 1)
-        hot = topology_run(args, "kv", hot_prompts, max(12, 2 * args.concurrency), workdir / "run-hot")
+        hot = topology_run(args, "kv", hot_prompts, max(12, 2 * args.concurrency), workdir / "run-hot", workdir)
 
     def med(policy: str, key: str) -> float:
         return median([r[key] for r in runs[policy]])

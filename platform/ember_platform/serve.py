@@ -126,7 +126,7 @@ def serve(package_dirs: Sequence[Path] = (), *, host: str = "127.0.0.1", port: i
     url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
 
     plane = ControlPlane(registry, packages_dir=home / "packages", cache=BlobCache.default(),
-                         launcher=LocalProcessLauncher(log_dir=home / "logs"))
+                         launcher=LocalProcessLauncher(log_dir=home / "logs", redis_url=redis_url))
     state: dict[str, object] = {"ready": False, "failed": None}
     server: _Server | None = None
     tasks: set[asyncio.Task[None]] = set()

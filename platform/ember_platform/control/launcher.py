@@ -42,8 +42,12 @@ class Launcher(ABC):
     """Starts replicas of a package directory and stops them again."""
 
     @abstractmethod
-    async def start(self, package_dir: Path, overrides: Mapping[str, str], *, label: str = "replica") -> ReplicaHandle:
-        """Start a replica and return once it is ready (its weights loaded and warmed up); raise LaunchError."""
+    async def start(self, package_dir: Path, overrides: Mapping[str, str], *, label: str = "replica",
+                    replica_id: str | None = None) -> ReplicaHandle:
+        """Start a replica and return once it is ready (its weights loaded and warmed up); raise LaunchError.
+
+        `replica_id` is the control plane's id for it: a replica that publishes to shared routing tables uses it.
+        """
 
     @abstractmethod
     async def stop(self, handle: ReplicaHandle, graceful: bool = True) -> None:
@@ -52,6 +56,23 @@ class Launcher(ABC):
     @abstractmethod
     def alive(self, handle: ReplicaHandle) -> bool:
         """Whether the replica's process is still running."""
+
+
+def default_replica_threads(environ: Mapping[str, str] | None = None) -> int | None:
+    """torch CPU threads for a replica on this machine, or None to let OMP_NUM_THREADS (when set) decide.
+
+    torch's own default is one thread per core. A replica shares its machine with its own HTTP event loop, the
+    gateway and often clients; with a thread on every core, each of its small CPU ops waits for a core someone
+    else holds. So one core is left to the rest: cores - 1, at least 1.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("OMP_NUM_THREADS"):
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))  # the cores this process may use (a container's CPU set)
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
 
 
 def die_with_parent() -> Callable[[], None] | None:
@@ -79,8 +100,12 @@ class LocalProcessLauncher(Launcher):
     """
 
     def __init__(self, *, log_dir: Path, host: str = "127.0.0.1", python: str = sys.executable,
-                 start_timeout: float = 300.0, drain_timeout: float = 30.0, kill_timeout: float = 10.0) -> None:
+                 start_timeout: float = 300.0, drain_timeout: float = 30.0, kill_timeout: float = 10.0,
+                 threads: int | None = None, redis_url: str | None = None) -> None:
         self.log_dir = Path(log_dir)
+        self.redis_url = redis_url  # replicas publish their load and KV blocks there for every gateway
+        # torch CPU threads per replica: given, or the machine's default (`default_replica_threads`).
+        self.threads = threads if threads is not None else default_replica_threads()
         self.host = host
         self.python = python
         self.start_timeout = start_timeout
@@ -92,15 +117,20 @@ class LocalProcessLauncher(Launcher):
         # Port 0: the replica binds a free port itself and reports it on its ready line (no race for the port).
         cmd = [self.python, "-m", "ember_platform.replica", "--package", str(package_dir), "--host", self.host,
                "--port", "0", "--drain-timeout", str(self.drain_timeout)]
+        if self.threads is not None:
+            cmd += ["--threads", str(self.threads)]
+        if self.redis_url:
+            cmd += ["--redis-url", self.redis_url]
         for key, value in overrides.items():
             cmd += ["--override", f"{key}={value}"]
         return cmd
 
-    async def start(self, package_dir: Path, overrides: Mapping[str, str], *, label: str = "replica") -> ReplicaHandle:
+    async def start(self, package_dir: Path, overrides: Mapping[str, str], *, label: str = "replica",
+                    replica_id: str | None = None) -> ReplicaHandle:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{label}.log"
         cmd = self.command(package_dir, overrides)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"EMBER_REPLICA_ID": replica_id} if replica_id else {})}
         with open(log_path, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()

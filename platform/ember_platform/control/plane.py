@@ -398,7 +398,8 @@ class ControlPlane:
         started = time.monotonic()
         try:
             replica.handle = await self.launcher.start(version.package_dir, dep.overrides,
-                                                       label=f"{dep.name}-{replica.version}-{replica.id}")
+                                                       label=f"{dep.name}-{replica.version}-{replica.id}",
+                                                       replica_id=replica.id)
         except BaseException as e:
             replica.state = ReplicaState.DEAD
             if replica in dep.replicas:

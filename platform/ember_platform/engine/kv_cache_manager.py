@@ -272,8 +272,17 @@ class KVCacheManager:
         self._num_cached_blocks.pop(req.request_id, None)
 
     def drain_events(self) -> KVEvents:
-        events, self.pool.events = self.pool.events, KVEvents()
-        return events
+        """The events since the last drain. Safe from another thread than the engine's (a routing publisher):
+        it takes only what was appended before it looked, each list slice and delete being atomic, and reads
+        `removed` first, so a removal it takes never lacks the store that preceded it."""
+        events = self.pool.events
+        num_removed = len(events.removed)
+        num_stored = len(events.stored)
+        removed = events.removed[:num_removed]
+        del events.removed[:num_removed]
+        stored = events.stored[:num_stored]
+        del events.stored[:num_stored]
+        return KVEvents(stored, removed)
 
     @property
     def prefix_hit_rate(self) -> float:

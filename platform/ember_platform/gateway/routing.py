@@ -141,8 +141,7 @@ class KVAwareChooser:
         self.decisions["kv_routed"] += 1
         self.decisions["cached_blocks"] += reservation.num_cached_blocks
         replica = by_id[reservation.replica_id]
-        if self.observe_routing:
-            self._record(replica.id, hashes, lora)
+        self._record(replica.id, hashes, lora)
         return replica
 
     def _register(self, dep: Deployment, candidates: Sequence[Replica], block_size: int) -> None:
@@ -160,6 +159,18 @@ class KVAwareChooser:
                 self.tables.replace_blocks(replica.id, list(self._predicted.get(replica.id, ())), ttl_s=LEASE_S)
 
     def _record(self, replica_id: str, hashes: Sequence[bytes], lora: str | None) -> None:
+        """The replica will hold these blocks once it prefilled them: say so now, so that the next request with
+        this prefix (from any gateway) follows it there instead of waiting for the replica's own events (as
+        Dynamo's router counts the blocks of the requests it has routed). With shared tables the replica's events
+        then confirm or evict them; in-process, the least recently routed blocks beyond its capacity are dropped."""
+        if not hashes:
+            return
+        if not self.observe_routing:
+            try:
+                self.tables.update_blocks(replica_id, hashes, (), ttl_s=LEASE_S)
+            except RoutingError as e:
+                log.debug("could not record predicted blocks: %s", e)
+            return
         lru = self._predicted.setdefault(replica_id, OrderedDict())
         for h in hashes:
             lru[h] = None

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from ember.errors import EmberError
-from ember_platform.replica.app import Replica
+from ember_platform.replica.app import DEFAULT_STREAM_EVENT_RATE, MAX_STREAM_INTERVAL, Replica
 from ember_platform.replica.server import DEFAULT_DRAIN_TIMEOUT, READY_LINE, serve
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -42,6 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="torch CPU threads (default: torch's own choice); replicas sharing a host's cores "
                              "run far faster with fewer threads each than with too many")
+    parser.add_argument("--stream-event-rate", type=float, default=DEFAULT_STREAM_EVENT_RATE, metavar="N",
+                        help="the most server-sent events a second over all streams together (default: "
+                             f"{DEFAULT_STREAM_EVENT_RATE:g}): with many streams open, each sends the tokens of "
+                             f"several steps per event, at least every {MAX_STREAM_INTERVAL:g} s; 0 sends every "
+                             "step's tokens")
+    parser.add_argument("--redis-url", metavar="URL", default=None,
+                        help="publish this replica (load, KV prefix blocks, adapters) to the routing tables in Redis "
+                             "that gateways share; its id is $EMBER_REPLICA_ID or made up")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     return parser
 
@@ -55,11 +63,13 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(max(1, args.threads))
     try:
-        replica = Replica(args.package, dict(args.override))  # checks the package and overrides; loads nothing yet
+        # checks the package and overrides; loads nothing yet
+        replica = Replica(args.package, dict(args.override), stream_event_rate=args.stream_event_rate)
     except (EmberError, OSError, TypeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return serve(replica, host=args.host, port=args.port, drain_timeout=args.drain_timeout, log_level=args.log_level)
+    return serve(replica, host=args.host, port=args.port, drain_timeout=args.drain_timeout, log_level=args.log_level,
+                 redis_url=args.redis_url)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ if TYPE_CHECKING:  # the engine imports torch; the app only needs it once `load(
 log = logging.getLogger("ember.replica")
 
 STARTING, READY, DRAINING = "starting", "ready", "draining"
+FAILED = "failed"  # the engine's step loop crashed: nothing more can be generated until the replica is replaced
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # A replica that is starting or draining sends clients elsewhere soon: the gateway retries on another replica.
 RETRY_AFTER_SECONDS = 1.0
@@ -71,6 +72,14 @@ WARMUP_PROMPT = "Hello"
 WARMUP_TOKENS = 2
 # Engine counters the warm-up moves; /metrics reports requests' tokens only.
 _WARMUP_COUNTERS = ("generated_tokens", "spec_draft_tokens", "spec_accepted_tokens")
+# Each SSE event costs the replica's event loop, the gateway and the client together about a millisecond of CPU
+# (bench/bench_gateway.py: ~0.3 ms replica, ~0.4 ms gateway, ~0.5 ms openai client), as much as a small model
+# spends per token on a CPU; and the event loop takes the GIL from the engine's step thread to do it. So the
+# replica sends at most about this many events a second over all its streams, about a tenth of a core for the
+# events: with few streams open each still gets every step's tokens, with many each gets a chunk every
+# (streams open / rate) seconds, holding the steps since the last. First tokens and ends go out at once.
+DEFAULT_STREAM_EVENT_RATE = 100.0
+MAX_STREAM_INTERVAL = 0.25  # seconds: text that streams slower than this stops reading as streaming
 
 
 def read_lock_digest(package_dir: Path) -> str | None:
@@ -92,7 +101,8 @@ class Replica:
     HTTP server starts; the weights load in `load()`, which blocks: the server runs it in a thread.
     """
 
-    def __init__(self, package_dir: str | Path, overrides: dict[str, Any] | None = None) -> None:
+    def __init__(self, package_dir: str | Path, overrides: dict[str, Any] | None = None, *,
+                 stream_event_rate: float = DEFAULT_STREAM_EVENT_RATE) -> None:
         self._started = time.perf_counter()
         self.package_dir = Path(package_dir)
         self.overrides = dict(overrides or {})
@@ -104,6 +114,7 @@ class Replica:
         self.async_engine: AsyncEngine | None = None
         self.timings: dict[str, float | None] = dict.fromkeys(COLD_START_PHASES)
         self.num_in_flight = 0
+        self.stream_event_rate = stream_event_rate
         self.token_text: Callable[[int], str] = self._no_tokens  # one token's text, for logprobs; set by load()
         self._warmup_counters: dict[str, float] = {}
         self.metrics = ReplicaMetrics(self._request_stats, lambda: self.num_in_flight)
@@ -153,6 +164,22 @@ class Replica:
         """Take no new generation requests (503 + Retry-After); requests in flight go on."""
         self.state = DRAINING
 
+    @property
+    def failure(self) -> str | None:
+        """Why this replica can no longer generate (its engine's step loop crashed), or None while it can."""
+        error = self.async_engine.error if self.async_engine is not None else None
+        return None if error is None else f"the engine stopped: {type(error).__name__}: {error}"
+
+    def status(self) -> str:
+        """The lifecycle state, or FAILED once the engine has crashed (whatever the state was)."""
+        return FAILED if self.failure is not None else self.state
+
+    def stream_interval(self) -> float:
+        """Seconds between two outputs of one request, so that all streams together keep to the event rate."""
+        if self.stream_event_rate <= 0:
+            return 0.0
+        return min(MAX_STREAM_INTERVAL, self.num_in_flight / self.stream_event_rate)
+
     def close(self) -> None:
         if self.async_engine is not None:
             self.async_engine.shutdown()
@@ -173,7 +200,8 @@ class Replica:
             "name": self.manifest.model.name,
             "version": self.manifest.model.version,
             "digest": self.digest,
-            "state": self.state,
+            "state": self.status(),
+            "error": self.failure,
             "selections": {kind: report.as_dict() for kind, report in engine.selections.items()} if engine else {},
             "timings": dict(self.timings),
             "stats": engine.stats() if engine else None,
@@ -193,7 +221,8 @@ class Replica:
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         try:
             async with aclosing(self.async_engine.generate(prompt_ids, params, request_id=request_id,
-                                                           cache_salt=cache_salt)) as outputs:
+                                                           cache_salt=cache_salt,
+                                                           interval=self.stream_interval)) as outputs:
                 async for out in outputs:
                     now = time.perf_counter()
                     if num_new := len(out.new_token_ids):
@@ -207,8 +236,10 @@ class Replica:
                     if out.finished:
                         reason = out.finish_reason or "stop"
                     yield out
-        except Exception:
+        except Exception as e:
             reason = "error"
+            if self.failure is not None:  # the engine died under this request: another replica can take it
+                raise _not_serving(self.state, self.failure) from e
             raise
         finally:
             self.metrics.requests_finished.labels(reason).inc()
@@ -220,6 +251,11 @@ class Replica:
 
         Closing the iterator early (client gone) aborts every request still running.
         """
+        if len(prompts) == 1:  # the common case: no task and queue in between, one hop less per output
+            async with aclosing(self.generate(prompts[0], params[0], request_id, cache_salt=cache_salt)) as outputs:
+                async for out in outputs:
+                    yield 0, out
+            return
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
         async def pump(index: int) -> None:
@@ -254,8 +290,10 @@ class Replica:
 # --- request handling -------------------------------------------------------------------------
 
 
-def _not_serving(state: str) -> ProtocolError:
-    if state == DRAINING:
+def _not_serving(state: str, failure: str | None = None) -> ProtocolError:
+    if failure is not None:
+        message = f"This replica cannot generate any more ({failure}). Retry the request."
+    elif state == DRAINING:
         message = "This replica is shutting down and takes no new requests. Retry the request."
     else:
         message = "This replica is still loading its model. Retry the request shortly."
@@ -277,8 +315,9 @@ class AdmissionMiddleware:
         if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
             await self.app(scope, receive, send)
             return
-        if self.replica.state != READY:
-            await _error_response(_not_serving(self.replica.state))(scope, receive, send)
+        failure = self.replica.failure
+        if self.replica.state != READY or failure is not None:
+            await _error_response(_not_serving(self.replica.state, failure))(scope, receive, send)
             return
         self.replica.num_in_flight += 1
         try:
@@ -380,8 +419,8 @@ async def _events(replica: Replica, stream: ChatStream | CompletionStream, promp
         async with aclosing(replica.generate_many(prompts, params, stream.id, cache_salt=cache_salt)) as outputs:
             async for index, out in outputs:
                 chunks = stream.add(out) if isinstance(stream, ChatStream) else stream.add(out, index)
-                for chunk in chunks:
-                    yield sse(chunk)
+                if chunks:  # one write for all of an output's chunks: each write is a syscall, and a GIL hand-off
+                    yield b"".join(sse(chunk) for chunk in chunks)
                 if stream.done:
                     break
     except Exception as e:
@@ -463,9 +502,16 @@ def create_app(replica: Replica) -> Starlette:
                                                 logprobs=body.wants_logprobs, completion_id=response_id))
 
     async def health(request: Request) -> Response:
+        # Alive while loading or draining too; a crashed step loop is the one thing a restart fixes.
+        failure = replica.failure
+        if failure is not None:
+            return JSONResponse({"status": "unhealthy", "error": failure}, 503)
         return JSONResponse({"status": "ok"})
 
     async def ready(request: Request) -> Response:
+        failure = replica.failure
+        if failure is not None:
+            return JSONResponse({"status": FAILED, "error": failure}, 503)
         return JSONResponse({"status": replica.state}, 200 if replica.state == READY else 503)
 
     async def metrics(request: Request) -> Response:

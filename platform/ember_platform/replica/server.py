@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import uvicorn
 
 from ember_platform.replica.app import STARTING, Replica, create_app
+from ember_platform.replica.routing import RoutingPresence
 
 log = logging.getLogger("ember.replica")
 
@@ -28,6 +29,9 @@ LISTENING_LINE = "EMBER_REPLICA_LISTENING"  # printed with the URL once /health 
 DEFAULT_DRAIN_TIMEOUT = 30.0
 # After the drain, connections still open (idle keep-alives, or requests past the drain timeout) get this long.
 SHUTDOWN_GRACE_SECONDS = 2.0
+# How long an idle keep-alive connection stays open: longer than the gateway keeps one in its pool
+# (gateway/proxy.py POOL_KEEPALIVE_S), so that it is the gateway that drops it, never a replica as a request arrives.
+KEEPALIVE_SECONDS = 75.0
 
 T = TypeVar("T")
 
@@ -61,9 +65,11 @@ class ReplicaServer(uvicorn.Server):
     """uvicorn's server with the replica's lifecycle: load after binding, announce readiness, drain on signals."""
 
     def __init__(self, config: uvicorn.Config, replica: Replica, *,
-                 drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> None:
+                 drain_timeout: float = DEFAULT_DRAIN_TIMEOUT, redis_url: str | None = None) -> None:
         super().__init__(config)
         self.replica = replica
+        self.redis_url = redis_url
+        self.presence: RoutingPresence | None = None  # in the shared routing tables, once loaded
         self.drain_timeout = drain_timeout
         self.exit_code = 0
         self.url = ""
@@ -97,6 +103,14 @@ class ReplicaServer(uvicorn.Server):
             self.exit_code = 1
             self.should_exit = True
             return
+        if self.redis_url and not self._draining:
+            assert self.replica.engine is not None
+            manifest = self.replica.manifest
+            try:
+                self.presence = RoutingPresence(self.redis_url, self.replica.engine, url=self.url,
+                                                model=manifest.model.name, version=manifest.model.version).start()
+            except Exception:  # a replica that cannot publish still serves what reaches it directly
+                log.exception("cannot publish to the routing tables at %s", self.redis_url)
         if not self._draining:
             print(f"{READY_LINE} {self.url}", flush=True)
 
@@ -123,6 +137,8 @@ class ReplicaServer(uvicorn.Server):
     async def _drain(self) -> None:
         was_starting = self.replica.state == STARTING
         self.replica.begin_drain()
+        if self.presence is not None:
+            self.presence.draining()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.drain_timeout
         while self.replica.num_in_flight and loop.time() < deadline:
@@ -138,14 +154,16 @@ class ReplicaServer(uvicorn.Server):
         await super().shutdown(sockets)
         for task in list(self._tasks):
             task.cancel()
+        if self.presence is not None:
+            self.presence.close()
         self.replica.close()
 
 
 def serve(replica: Replica, *, host: str = "127.0.0.1", port: int = 0, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
-          log_level: str = "info") -> int:
+          log_level: str = "info", redis_url: str | None = None) -> int:
     """Serve a replica until drained; returns the process exit code (0 after a drain, 1 if loading failed)."""
     config = uvicorn.Config(create_app(replica), host=host, port=port, log_level=log_level, lifespan="off",
-                            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
-    server = ReplicaServer(config, replica, drain_timeout=drain_timeout)
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS, timeout_keep_alive=KEEPALIVE_SECONDS)
+    server = ReplicaServer(config, replica, drain_timeout=drain_timeout, redis_url=redis_url)
     server.run()
     return server.exit_code

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ember_platform.replica import DRAINING, READY, STARTING, Replica, create_app
+from ember_platform.control.launcher import LocalProcessLauncher, default_replica_threads
+from ember_platform.replica import DRAINING, FAILED, READY, STARTING, Replica, create_app
 from ember_platform.replica.__main__ import build_parser, parse_override
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny-llama"
@@ -158,3 +160,45 @@ def test_cli_overrides_are_json_when_they_can_be() -> None:
     args = build_parser().parse_args(["--package", "p", "--override", "seed=1", "--override", "dtype=float32"])
     assert dict(args.override) == {"seed": 1, "dtype": "float32"} and args.drain_timeout == 30.0
     assert (args.host, args.port) == ("127.0.0.1", 0)
+
+
+def test_a_crashed_engine_makes_the_replica_unhealthy_and_not_ready_with_the_error() -> None:
+    replica = Replica(EXAMPLE)
+
+    async def main() -> None:
+        await asyncio.to_thread(replica.load)
+        assert replica.engine is not None
+
+        def crash() -> list:
+            raise RuntimeError("simulated kernel failure")
+
+        replica.engine.step = crash  # the next step the engine thread takes raises, and its loop stops
+        async with client_for(replica) as http:
+            # The request the engine died under was not answered: 503, so the gateway retries it on another replica.
+            error = "the engine stopped: RuntimeError: simulated kernel failure"
+            failed = await http.post("/v1/completions", json={"model": "tiny-llama", "prompt": "Hi", "max_tokens": 4})
+            assert failed.status_code == 503 and error in failed.json()["error"]["message"]
+            ready = await http.get("/ready")
+            assert ready.status_code == 503 and ready.json() == {"status": FAILED, "error": error}
+            health = await http.get("/health")
+            assert health.status_code == 503 and health.json() == {"status": "unhealthy", "error": error}
+            info = (await http.get("/info")).json()
+            assert info["state"] == FAILED and info["error"] == error
+            # New requests are refused up front, as by a draining replica: the gateway sends them elsewhere.
+            late = await http.post("/v1/chat/completions", json=CHAT)
+            assert late.status_code == 503 and late.headers["Retry-After"] == "1"
+            assert error in late.json()["error"]["message"]
+
+    try:
+        asyncio.run(main())
+    finally:
+        replica.close()
+
+
+def test_the_launcher_leaves_a_core_to_the_http_side_unless_omp_num_threads_decides(tmp_path: Path) -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert default_replica_threads({}) == max(1, cores - 1)
+    assert default_replica_threads({"OMP_NUM_THREADS": "3"}) is None  # torch reads it itself
+    command = LocalProcessLauncher(log_dir=tmp_path, threads=3).command(EXAMPLE, {})
+    assert command[command.index("--threads") + 1] == "3"
+    assert build_parser().parse_args(["--package", "p", "--threads", "3"]).threads == 3

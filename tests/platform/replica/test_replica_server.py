@@ -377,6 +377,41 @@ def test_32_concurrent_streaming_clients_each_get_what_they_would_alone(replica:
     assert [text for text, _ in together] == alone
 
 
+def test_many_streams_keep_to_the_event_rate_with_multi_token_chunks(
+        start_replica: Callable[..., ReplicaProcess]) -> None:
+    # 8 streams at 20 events/s over all: each stream sends at most every 0.25 s (the cap), so its chunks carry
+    # several steps' tokens; the first token is not held back, and the text is what the request makes alone.
+    replica = start_replica("--stream-event-rate", "20")
+    prompts = [f"def function_{i}(x):" for i in range(8)]
+    sync = replica.client()
+    alone = [sync.completions.create(model="tiny-llama", prompt=p, max_tokens=40, **GREEDY,
+                                     extra_body=FULL_LENGTH).choices[0].text for p in prompts]
+
+    async def stream_one(client: openai.AsyncOpenAI, prompt: str) -> tuple[list[int], str]:
+        tokens_per_chunk, text = [], ""
+        # logprobs=0: each chunk lists the tokens it carries
+        stream = await client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=40, logprobs=0,
+                                                 stream=True, **GREEDY, extra_body=FULL_LENGTH)
+        async for chunk in stream:
+            choice = chunk.choices[0]
+            if choice.logprobs and choice.logprobs.tokens:
+                tokens_per_chunk.append(len(choice.logprobs.tokens))
+            text += choice.text
+        return tokens_per_chunk, text
+
+    async def main() -> list[tuple[list[int], str]]:
+        async with openai.AsyncOpenAI(base_url=f"{replica.url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+            return await asyncio.wait_for(asyncio.gather(*(stream_one(client, p) for p in prompts)), timeout=60)
+
+    streamed = asyncio.run(main())
+    assert [text for _, text in streamed] == alone
+    assert all(sum(counts) == 40 for counts, _ in streamed)
+    assert sum(len(counts) for counts, _ in streamed) <= 8 * 40 / 3, [counts for counts, _ in streamed]
+    # First chunks carry the first step's token: one (a busy event loop may merge the next step in, seldom).
+    firsts = sorted(counts[0] for counts, _ in streamed)
+    assert firsts[len(firsts) // 2] == 1 and firsts[-1] <= 2, firsts
+
+
 # --- drain ------------------------------------------------------------------------------------
 
 
