@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ember.plugins import PluginHost
 from ember.selection import SelectionReport
@@ -28,8 +29,9 @@ from ember_platform.engine.lora_layer import lora_layouts
 from ember_platform.engine.lora_manager import LoRAManager, UnknownLoRAError
 from ember_platform.engine.model_runner import ForwardResult, ModelRunner, allocate_kv_caches, kv_bytes_per_block
 from ember_platform.engine.models import build_model
-from ember_platform.engine.models.loader import load_weights
+from ember_platform.engine.models.loader import load_weights, materialize
 from ember_platform.engine.outputs import RequestOutput, Usage
+from ember_platform.engine.quantized_cache import QuantizedWeightCache
 from ember_platform.engine.request import Request, RequestStatus
 from ember_platform.engine.sampler import Sampler, SamplingBatch, TokenLogprobs, make_generator
 from ember_platform.engine.sampling_params import SamplingParams
@@ -83,17 +85,16 @@ class LLMEngine:
 
         attention = self._technique("attention")
         self.model = build_model(self.hf_config, attention, self.dtype, self.device)
-        load_weights(self.model, source.weights_dir)
         # Read before quantizing: a quantizer's modules need not say how their outputs are packed.
         layouts = lora_layouts(self.model, getattr(self.model, "lora_module_names", ()))
         self._checkpoint_target = self.model.checkpoint_target
-        self.timings["load"] = time.perf_counter() - t0
         quant = self.selections["quantization"]
-        if quant.name != "none":
-            t1 = time.perf_counter()
-            quantizer = self._technique("quantization")(quant.options)
-            self.model = quantizer.quantize(self.model)
-            self.timings["quantize"] = time.perf_counter() - t1
+        self.quantized_from_cache = False
+        if quant.name == "none":
+            load_weights(self.model, source.weights_dir)
+            self.timings["load"] = time.perf_counter() - t0
+        else:
+            self.model = self._load_quantized(quant, source, t0)
         self.model.eval()
         self.plugins.model_loaded(manifest, self.model, self.hardware)
         budget = lora_options["lora_memory_gb"]
@@ -145,6 +146,36 @@ class LLMEngine:
         if technique is None:
             raise RuntimeError(f"{kind} '{name}' is selected but no installed plugin provides it")
         return technique.load()
+
+    def _load_quantized(self, quant: SelectionReport, source: ModelSource, t0: float) -> nn.Module:
+        """Load and quantize, or load the quantized weights an earlier start cached (skipping both)."""
+        quantizer_cls = self._technique("quantization")
+        quantizer = quantizer_cls(quant.options)
+        cache = QuantizedWeightCache.default()
+        key = None
+        if cache is not None:
+            identity = model_identity(source.weights_dir, source.root if source.is_package else None)
+            key = cache.key(identity, quant.name, quant.options, self.dtype, self.device, quantizer_cls)
+            state = cache.load(key)
+            restored = quantizer.restore(self.model, state) if state is not None else None
+            if restored is not None:
+                assert state is not None
+                materialize(restored, self.device, self.dtype)
+                restored.load_state_dict(state, strict=False)  # norms, embeddings, skipped layers; ties share
+                self.timings["load"] = time.perf_counter() - t0
+                self.timings["quantize"] = 0.0
+                self.quantized_from_cache = True
+                return restored
+            if state is not None:  # restore refused the entry: start from a clean model
+                self.model = build_model(self.hf_config, self._technique("attention"), self.dtype, self.device)
+        load_weights(self.model, source.weights_dir)
+        self.timings["load"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        model = quantizer.quantize(self.model)
+        self.timings["quantize"] = time.perf_counter() - t1
+        if cache is not None and key is not None:
+            cache.save(key, model)
+        return model
 
     def _num_kv_blocks(self) -> int:
         rt = self.manifest.runtime

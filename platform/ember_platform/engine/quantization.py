@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -23,6 +24,13 @@ class Quantizer(ABC):
     @abstractmethod
     def quantize(self, model: nn.Module) -> nn.Module:
         """Quantize in place (or return a new module); called once per replica."""
+
+    def restore(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> nn.Module | None:
+        """Rebuild what `quantize` made from its saved `state_dict()`, without quantizing again: the engine's
+        cold-start cache of quantized weights. `model` is freshly built on the meta device (no weights); put the
+        quantized modules in place from `state`; the engine then materializes and fills the other parameters
+        from `state` too. Return None (the default) when this quantizer cannot: it then quantizes every time."""
+        return None
 
 
 def linear_layers(model: nn.Module, skip: tuple[str, ...] = ()) -> Iterator[tuple[nn.Module, str, nn.Linear]]:

@@ -76,12 +76,19 @@ def _fbgemm_prepack(qweight: torch.Tensor, scale: torch.Tensor) -> Any:
 class Int8Linear(nn.Module):
     """y = x @ (qweight * scale).T + bias, with qweight: [out, in] int8 and scale: [out]."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str = "auto",
-                 dense_threshold: int | None = None) -> None:
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, kernel: str = "auto",
+                 dense_threshold: int | None = None, *,
+                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """From full-precision `weight`, or from an earlier result `quantized=(qweight, scale)` (a cache)."""
         super().__init__()
+        if quantized is None:
+            assert weight is not None
+            qweight, scale = quantize_per_channel(weight)
+        else:
+            qweight, scale = quantized
+            weight = qweight
         self.kernel = kernel = resolve_kernel(kernel, weight.device)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        qweight, scale = quantize_per_channel(weight)
         self.register_buffer("qweight", qweight.to(weight.device))
         self.register_buffer("scale", scale.to(weight.device))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
@@ -165,6 +172,19 @@ class Int8Quantizer(Quantizer):
         for parent, name, layer in list(linear_layers(model, self.skip)):
             kernel = resolve_kernel(self.kernel, layer.weight.device)
             setattr(parent, name, Int8Linear(layer.weight, layer.bias, kernel, self._threshold(kernel)))
+        return model
+
+    def restore(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> nn.Module | None:
+        """Int8 layers straight from a saved state (the engine's quantized-weight cache): no quantizing."""
+        names = {id(m): n for n, m in model.named_modules()}
+        for parent, name, layer in list(linear_layers(model, self.skip)):
+            prefix = names[id(layer)]
+            qweight, scale = state.get(f"{prefix}.qweight"), state.get(f"{prefix}.scale")
+            if qweight is None or scale is None:
+                return None  # not a state this quantizer wrote: quantize instead
+            kernel = resolve_kernel(self.kernel, qweight.device)
+            bias = state.get(f"{prefix}.bias")
+            setattr(parent, name, Int8Linear(None, bias, kernel, self._threshold(kernel), quantized=(qweight, scale)))
         return model
 
     def _threshold(self, kernel: str) -> int | None:
