@@ -43,12 +43,12 @@ NUM_PREFIXES = 8
 PREFIX_LEN = 1000
 SUFFIX_LEN = 32
 MAX_TOKENS = 8
-KV_CACHE_GB = 0.0135  # ~220 blocks of 16 tokens for tiny-llama: about three 1k-token prefixes plus the running ones
+KV_CACHE_GB = 0.012  # ~196 blocks of 16 tokens for tiny-llama: about three 1k-token prefixes, with the running ones
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--users", type=int, default=None, help="requests per system prompt (default 12; quick 4)")
-    parser.add_argument("--concurrency", type=int, default=6, help="requests in flight at once (default 6)")
+    parser.add_argument("--users", type=int, default=None, help="requests per system prompt (default 16; quick 4)")
+    parser.add_argument("--concurrency", type=int, default=3, help="requests in flight at once (default 3)")
     parser.add_argument("--hot-requests", type=int, default=None, help="hot-spot check requests (default 36)")
     parser.set_defaults(threads=1, repeats=1)
 
@@ -189,7 +189,7 @@ def main() -> None:
 
     model = Path(args.model)
     tokenizer = Tokenizer.from_dir(model / "weights")
-    users = args.users or (4 if args.quick else 12)
+    users = args.users or (4 if args.quick else 16)
     hot_requests = args.hot_requests or (12 if args.quick else 36)
     prompts = workload(tokenizer, users, num_prefixes=NUM_PREFIXES, seed=SEED)
     with tempfile.TemporaryDirectory(prefix="ember-bench-routing-") as tmp:
