@@ -94,3 +94,19 @@ def native_library() -> ctypes.CDLL | None:
 def native_library_error() -> str | None:
     native_library()
     return _error
+
+
+_functions: dict[str, object] = {}
+
+
+def native_function(name: str, argtypes: list[type], restype: type = ctypes.c_int) -> object | None:
+    """The compiled kernel `name` with its ctypes signature set (once), or None without the library."""
+    fn = _functions.get(name)
+    if fn is None:
+        lib = native_library()
+        if lib is None:
+            return None
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+        _functions[name] = fn
+    return fn

@@ -6,24 +6,15 @@ import ctypes
 
 import torch
 
-from ember_kernels.cpu.build import native_library
+from ember_kernels.cpu.build import native_function
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _PTR, _PTR, _PTR, ctypes.c_int, _PTR, _PTR, _PTR, _PTR,
              _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
-_configured = False
 
 
 def _function() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    global _configured
-    lib = native_library()
-    if lib is None:
-        return None
-    fn = lib.ember_paged_attention
-    if not _configured:
-        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-        _configured = True
-    return fn
+    return native_function("ember_paged_attention", _ARGTYPES)  # type: ignore[return-value]
 
 
 def paged_attention_available(cache_dtype: torch.dtype) -> bool:
