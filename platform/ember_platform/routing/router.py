@@ -7,6 +7,7 @@ then the atomic reservation, which re-reads loads, applies the imbalance bound a
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ class Router:
         self.scorers = list(scorers)
         self.balance = balance or Balance()
         self.hold_s = hold_s
+        self._turns = itertools.count()
 
     @classmethod
     def from_config(cls, tables: RoutingTables, config: RouterConfig | None = None, *,
@@ -91,6 +93,11 @@ class Router:
         if not rated:
             raise NoReadyReplica(f"no ready replica of '{model}' can serve this request"
                                  + (f" (adapter '{lora}')" if lora else ""))
+        # Ties (equal cost and load: above all a prefix no replica holds yet) go to the first candidate, so the
+        # order rotates per request: new prefixes spread over the replicas instead of filling the first one's
+        # cache while another's stays empty.
+        shift = next(self._turns) % len(rated)
+        rated = rated[shift:] + rated[:shift]
         candidates = [Candidate(r.view.replica_id, r.score.cost, r.score.per_request, r.score.per_queued)
                       for r in rated]
         reservation = self.tables.reserve(model, candidates, balance=self.balance,
