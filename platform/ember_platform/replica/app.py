@@ -212,7 +212,7 @@ class Replica:
     # --- generation -------------------------------------------------------------------------
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, *,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
         """One engine request's outputs, with its metrics. Closing the iterator early aborts the request."""
         assert self.async_engine is not None, "generate() before load()"
         start = last = time.perf_counter()
@@ -221,7 +221,7 @@ class Replica:
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         try:
             async with aclosing(self.async_engine.generate(prompt_ids, params, request_id=request_id,
-                                                           cache_salt=cache_salt,
+                                                           cache_salt=cache_salt, lora_name=lora_name,
                                                            interval=self.stream_interval)) as outputs:
                 async for out in outputs:
                     now = time.perf_counter()
@@ -246,13 +246,15 @@ class Replica:
             self.metrics.request_latency.observe(time.perf_counter() - start)
 
     async def generate_many(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], request_id: str,
-                            *, cache_salt: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                            *, cache_salt: str | None = None,
+                            lora_name: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run one engine request per prompt concurrently; yield (prompt index, output) as they come.
 
         Closing the iterator early (client gone) aborts every request still running.
         """
         if len(prompts) == 1:  # the common case: no task and queue in between, one hop less per output
-            async with aclosing(self.generate(prompts[0], params[0], request_id, cache_salt=cache_salt)) as outputs:
+            async with aclosing(self.generate(prompts[0], params[0], request_id, cache_salt=cache_salt,
+                                              lora_name=lora_name)) as outputs:
                 async for out in outputs:
                     yield 0, out
             return
@@ -262,7 +264,7 @@ class Replica:
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
             try:
                 async with aclosing(self.generate(prompts[index], params[index], sub_id,
-                                                  cache_salt=cache_salt)) as outputs:
+                                                  cache_salt=cache_salt, lora_name=lora_name)) as outputs:
                     async for out in outputs:
                         queue.put_nowait((index, out))
             except Exception as e:
@@ -340,12 +342,18 @@ async def _read_body(request: Request, replica: Replica) -> dict[str, Any] | byt
     return replica.engine.plugins.preprocess_request(data, replica.manifest)
 
 
-def _check_adapter(body: GenerationRequest) -> None:
+def _adapter(replica: Replica, body: GenerationRequest) -> str | None:
+    """The LoRA adapter a request names (`"model": "NAME:ADAPTER"`), checked against the engine's."""
     name, adapter = body.model_and_adapter
-    if adapter is not None:
-        raise ProtocolError(404, f"The adapter '{adapter}' of model '{name}' does not exist on this replica: "
-                                 f"LoRA adapters are not served yet. Send model '{name}' without ':{adapter}'.",
-                            "model", "model_not_found")
+    if adapter is None:
+        return None
+    assert replica.engine is not None
+    available = replica.engine.lora_names
+    if adapter not in available:
+        listed = f"its adapters: {', '.join(available)}" if available else "it serves no adapters"
+        raise ProtocolError(404, f"The model '{name}' has no adapter '{adapter}' ({listed}).", "model",
+                            "model_not_found")
+    return adapter
 
 
 def _prompt_ids(replica: Replica, body: CompletionRequest) -> list[list[int]]:
@@ -410,13 +418,15 @@ def _stream_error(e: Exception) -> bytes:
 
 
 async def _events(replica: Replica, stream: ChatStream | CompletionStream, prompts: list[list[int]],
-                  params: list[SamplingParams], cache_salt: str | None) -> AsyncIterator[bytes]:
+                  params: list[SamplingParams], cache_salt: str | None,
+                  adapter: str | None = None) -> AsyncIterator[bytes]:
     """The SSE body of a streamed response; cancelled (client gone) it aborts the engine requests."""
     if isinstance(stream, ChatStream):
         for chunk in stream.start():
             yield sse(chunk)
     try:
-        async with aclosing(replica.generate_many(prompts, params, stream.id, cache_salt=cache_salt)) as outputs:
+        async with aclosing(replica.generate_many(prompts, params, stream.id, cache_salt=cache_salt,
+                                                  lora_name=adapter)) as outputs:
             async for index, out in outputs:
                 chunks = stream.add(out) if isinstance(stream, ChatStream) else stream.add(out, index)
                 if chunks:  # one write for all of an output's chunks: each write is a syscall, and a GIL hand-off
@@ -429,7 +439,7 @@ async def _events(replica: Replica, stream: ChatStream | CompletionStream, promp
 
 
 async def _generate(request: Request, replica: Replica, data: dict[str, Any] | bytes, prompts: list[list[int]],
-                    params: list[SamplingParams], response_id: str, cache_salt: str | None,
+                    params: list[SamplingParams], response_id: str, cache_salt: str | None, adapter: str | None,
                     respond: Callable[[list[Generation]], dict[str, Any]]) -> Response:
     """Run a non-streaming request to the end (or until the client leaves) and build its response."""
     assert replica.engine is not None
@@ -437,8 +447,8 @@ async def _generate(request: Request, replica: Replica, data: dict[str, Any] | b
     async def run() -> tuple[list[Generation], list[list[int]]]:
         generations = [Generation() for _ in prompts]
         token_ids: list[list[int]] = [[] for _ in prompts]
-        async with aclosing(replica.generate_many(prompts, params, response_id,
-                                                  cache_salt=cache_salt)) as outputs:
+        async with aclosing(replica.generate_many(prompts, params, response_id, cache_salt=cache_salt,
+                                                  lora_name=adapter)) as outputs:
             async for index, out in outputs:
                 generations[index].add(out)
                 token_ids[index] += out.new_token_ids
@@ -469,7 +479,7 @@ def create_app(replica: Replica) -> Starlette:
     async def chat_completions(request: Request) -> Response:
         data = await _read_body(request, replica)
         body = parse_chat_request(data)
-        _check_adapter(body)
+        adapter = _adapter(replica, body)
         prompt = _chat_prompt_ids(replica, body)
         assert replica.engine is not None
         params = body.sampling_params_for(len(prompt), replica.engine.max_model_len)
@@ -477,16 +487,16 @@ def create_app(replica: Replica) -> Starlette:
         if body.stream:
             stream = ChatStream(model=body.model, token_text=replica.token_text, include_usage=body.include_usage,
                                 logprobs=body.wants_logprobs, completion_id=response_id)
-            return _sse_response(_events(replica, stream, [prompt], [params], body.cache_salt))
+            return _sse_response(_events(replica, stream, [prompt], [params], body.cache_salt, adapter))
         return await _generate(
-            request, replica, data, [prompt], [params], response_id, body.cache_salt,
+            request, replica, data, [prompt], [params], response_id, body.cache_salt, adapter,
             lambda generations: chat_completion(generations[0], model=body.model, token_text=replica.token_text,
                                                 logprobs=body.wants_logprobs, completion_id=response_id))
 
     async def completions(request: Request) -> Response:
         data = await _read_body(request, replica)
         body = parse_completion_request(data)
-        _check_adapter(body)
+        adapter = _adapter(replica, body)
         prompts = _prompt_ids(replica, body)
         assert replica.engine is not None
         params = [body.sampling_params_for(len(ids), replica.engine.max_model_len) for ids in prompts]
@@ -495,9 +505,9 @@ def create_app(replica: Replica) -> Starlette:
             stream = CompletionStream(model=body.model, token_text=replica.token_text,
                                       include_usage=body.include_usage, logprobs=body.wants_logprobs,
                                       completion_id=response_id, num_choices=len(prompts))
-            return _sse_response(_events(replica, stream, prompts, params, body.cache_salt))
+            return _sse_response(_events(replica, stream, prompts, params, body.cache_salt, adapter))
         return await _generate(
-            request, replica, data, prompts, params, response_id, body.cache_salt,
+            request, replica, data, prompts, params, response_id, body.cache_salt, adapter,
             lambda generations: text_completion(generations, model=body.model, token_text=replica.token_text,
                                                 logprobs=body.wants_logprobs, completion_id=response_id))
 
