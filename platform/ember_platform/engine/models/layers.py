@@ -75,6 +75,44 @@ class Linear(nn.Linear):
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
         default_weight_loader(param, loaded, shard_id)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Decode and speculative verification run a few rows; there MKL's float32 GEMM costs 2-4x its
+        # one-row GEMV per row on AVX2 CPUs, while the native kernel streams the weights once for all
+        # rows. It also sums each row in one fixed order whatever the row count, so a row's output does
+        # not depend on the rows sharing its step (drafts verified, sequences batched). Else F.linear.
+        weight = self.weight
+        if (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.is_cpu and weight.is_cpu
+                and 0 < x.numel() <= NATIVE_LINEAR_MAX_ROWS * self.in_features and x.shape[-1] == self.in_features
+                and weight.is_contiguous()
+                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+                and (native := _dense_linear()) is not None):
+            return native(x.reshape(-1, self.in_features), weight, self.bias).view(*x.shape[:-1], self.out_features)
+        return F.linear(x, weight, self.bias)
+
+
+# The most rows the native CPU kernel takes: per row it costs about what one row does (it is bound by
+# the weights' bytes at 1 row, by FMAs beyond), while MKL's GEMM gains on it with more rows; they were
+# about even at 16 rows on tiny-llama's lm_head (4096x256) on an AVX2 EPYC, the native kernel 1.1-3x
+# faster below that. Prefill chunks go to MKL.
+NATIVE_LINEAR_MAX_ROWS = 16
+_dense_linear_fn: Callable[..., torch.Tensor] | None = None
+_dense_linear_tried = False
+
+
+def _dense_linear() -> Callable[..., torch.Tensor] | None:
+    """The native small-batch linear (ember_kernels.cpu.dense_linear), or None: no compiler, kernels
+    disabled (EMBER_NATIVE_KERNELS=0), or the package missing. Looked up once."""
+    global _dense_linear_fn, _dense_linear_tried
+    if not _dense_linear_tried:
+        _dense_linear_tried = True
+        try:
+            from ember_kernels.cpu.dense_linear import dense_linear_available, dense_linear_unchecked
+        except ImportError:
+            return None
+        if dense_linear_available():
+            _dense_linear_fn = dense_linear_unchecked
+    return _dense_linear_fn
+
 
 class PackedLinear(Linear):
     """Several linears over the same input fused into one matmul, e.g. q/k/v or gate/up.

@@ -1,0 +1,75 @@
+"""Python side of `dense_linear.c`: argument checks and the ctypes call.
+
+`dense_linear(x, weight, bias)` is `F.linear` for a few rows of x (decode, speculative verification),
+float32 out; it streams the weights once for all rows, where MKL's GEMM on AVX2 CPUs costs several
+times its one-row GEMV per extra row.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ember_kernels.cpu.build import native_library
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
+_functions: dict[torch.dtype, ctypes._CFuncPtr] | None = None  # type: ignore[name-defined]
+
+
+def _kernels() -> dict[torch.dtype, ctypes._CFuncPtr] | None:  # type: ignore[name-defined]
+    global _functions
+    if _functions is None:
+        lib = native_library()
+        if lib is None:
+            return None
+        functions = {torch.float32: lib.ember_dense_linear_f32, torch.bfloat16: lib.ember_dense_linear_bf16}
+        for fn in functions.values():
+            fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+        _functions = functions
+    return _functions
+
+
+def dense_linear_available() -> bool:
+    return _kernels() is not None
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] float32; None if the kernel is unavailable.
+
+    CPU tensors only. weight: contiguous float32 or bfloat16 (widened to float32 in the kernel); x and
+    bias are used as float32 (converted if they are not). Meant for small M: it has no cache blocking
+    over rows, so for prefill-sized M a GEMM is faster.
+    """
+    kernels = _kernels()
+    if kernels is None:
+        return None
+    fn = kernels.get(weight.dtype)
+    if fn is None or not weight.is_contiguous():
+        raise ValueError(f"dense_linear needs a contiguous float32 or bfloat16 weight, got {weight.dtype}")
+    num_rows, in_features = x.shape
+    out_features = weight.shape[0]
+    if weight.shape[1] != in_features or (bias is not None and bias.shape != (out_features,)):
+        raise ValueError(f"dense_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias "
+                         f"{None if bias is None else tuple(bias.shape)} do not fit")
+    return _call(fn, x, weight, bias, num_rows, out_features, in_features)
+
+
+def dense_linear_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`dense_linear` for a caller that has checked everything (the model's linear layers, per step):
+    the kernel is available, weight is contiguous float32 or bfloat16 [N, K], x is [M, K] on the CPU."""
+    return _call(_functions[weight.dtype], x, weight, bias, x.shape[0], weight.shape[0],  # type: ignore[index]
+                 weight.shape[1])
+
+
+def _call(fn: ctypes._CFuncPtr, x: torch.Tensor, weight: torch.Tensor,  # type: ignore[name-defined]
+          bias: torch.Tensor | None, num_rows: int, out_features: int, in_features: int) -> torch.Tensor:
+    x32 = x.float().contiguous()
+    bias32 = None if bias is None else bias.float().contiguous()
+    out = torch.empty(num_rows, out_features, dtype=torch.float32)
+    rc = fn(x32.data_ptr(), weight.data_ptr(), None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
+            num_rows, out_features, in_features, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"dense_linear: bad sizes M={num_rows} N={out_features} K={in_features}")
+    return out

@@ -1,0 +1,111 @@
+"""The native small-batch dense linear against F.linear in float64: every shape (tails of K and N, tile
+edges), with and without bias, float32 and bfloat16 weights; a row's result bit-identical whatever rows
+are computed with it; and the model's Linear using it where it should."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ember_kernels.cpu.dense_linear import dense_linear, dense_linear_available
+
+pytestmark = pytest.mark.skipif(not dense_linear_available(), reason="native CPU kernels unavailable")
+
+
+def operands(rows: int, out_features: int, in_features: int, seed: int = 0
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5
+    bias = torch.randn(out_features, generator=gen)
+    return x, weight, bias
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+
+@pytest.mark.parametrize("rows", list(range(1, 17)))
+@pytest.mark.parametrize(("out_features", "in_features"),
+                         [(1, 1), (5, 7), (33, 13), (17, 688), (512, 256), (97, 1031)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_float64(rows: int, out_features: int, in_features: int, with_bias: bool) -> None:
+    x, weight, bias = operands(rows, out_features, in_features, seed=rows)
+    b = bias if with_bias else None
+    out = dense_linear(x, weight, b)
+    assert out is not None and out.shape == (rows, out_features) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), reference(x, weight, b), rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_bfloat16_weights_are_computed_in_float32(rows: int) -> None:
+    x, weight, bias = operands(rows, 70, 131)
+    w16 = weight.bfloat16()
+    out = dense_linear(x, w16, bias)
+    assert out is not None and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), reference(x, w16, bias), rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("out_features", "in_features"), [(72, 200), (4096, 256), (37, 9)])
+def test_a_row_is_bitwise_the_same_in_any_batch(dtype: torch.dtype, out_features: int, in_features: int) -> None:
+    x, weight, bias = operands(16, out_features, in_features)
+    weight = weight.to(dtype)
+    alone = [dense_linear(x[i:i + 1], weight, bias) for i in range(16)]
+    for rows in range(1, 17):
+        together = dense_linear(x[:rows], weight, bias)
+        assert together is not None
+        for i in range(rows):  # every batch size: each groups and tiles the rows differently
+            assert torch.equal(together[i:i + 1], alone[i]), (rows, i)
+    # and whatever the thread count (work is split by output columns, never inside a dot product)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = dense_linear(x, weight, bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, dense_linear(x, weight, bias))
+
+
+def test_inputs_are_converted() -> None:
+    x, weight, bias = operands(3, 40, 96)
+    out = dense_linear(x.t().contiguous().t(), weight, bias.double())  # non-contiguous x, float64 bias
+    assert out is not None
+    torch.testing.assert_close(out.double(), reference(x, weight, bias), rtol=1e-5, atol=2e-5)
+
+
+def test_mismatched_shapes_are_refused() -> None:
+    x, weight, bias = operands(2, 8, 16)
+    with pytest.raises(ValueError, match="do not fit"):
+        dense_linear(x[:, :8], weight, bias)
+    with pytest.raises(ValueError, match="do not fit"):
+        dense_linear(x, weight, bias[:4])
+    with pytest.raises(ValueError, match="contiguous float32 or bfloat16"):
+        dense_linear(x, weight.double(), bias)
+    with pytest.raises(ValueError, match="contiguous float32 or bfloat16"):
+        dense_linear(x, weight.t().contiguous().t(), bias)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 40])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_model_linear_uses_it_for_few_rows(rows: int, with_bias: bool) -> None:
+    from ember_platform.engine.models.layers import NATIVE_LINEAR_MAX_ROWS, Linear
+
+    layer = Linear(48, 24, bias=with_bias).to_empty(device="cpu")
+    x, weight, bias = operands(rows, 24, 48)
+    layer.weight.data.copy_(weight)
+    if with_bias:
+        layer.bias.data.copy_(bias)
+    b = bias if with_bias else None
+    with torch.inference_mode():
+        out = layer(x.view(1, rows, 48))
+    assert out.shape == (1, rows, 24)
+    if rows <= NATIVE_LINEAR_MAX_ROWS:
+        assert torch.equal(out.view(rows, 24), dense_linear(x, weight, b))
+    else:
+        assert torch.equal(out, F.linear(x, weight, b).view(1, rows, 24))
+    # autograd still works (F.linear when a gradient is wanted)
+    xg = x[:1].clone().requires_grad_(True)
+    layer(xg).sum().backward()
+    torch.testing.assert_close(xg.grad, weight.sum(0, keepdim=True))
