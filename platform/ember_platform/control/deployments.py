@@ -21,6 +21,7 @@ MAX_EVENTS = 50
 class ReplicaState(StrEnum):
     STARTING = "starting"  # process launched, weights loading
     READY = "ready"        # takes requests
+    SLEEPING = "sleeping"  # idle: its engine freed the KV cache and keeps the weights; a request wakes it
     DRAINING = "draining"  # finishes what it has, takes nothing new (stopped by us, or SIGTERMed from outside)
     DEAD = "dead"          # its process exited
 
@@ -116,6 +117,7 @@ class Deployment:
     last_error: str | None = None
     created_at: float = field(default_factory=time.time)
     events: deque[str] = field(default_factory=lambda: deque(maxlen=MAX_EVENTS))
+    sleeping_since: float | None = None  # monotonic time its replicas went to sleep (then to zero after the delay)
     deleted: bool = False
     _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
@@ -155,6 +157,9 @@ class Deployment:
     def ready_replicas(self) -> list[Replica]:
         """Replicas that take new requests: ready ones of the active version."""
         return self.replicas_of(self.active_version, ReplicaState.READY)
+
+    def sleeping_replicas(self) -> list[Replica]:
+        return self.replicas_of(self.active_version, ReplicaState.SLEEPING)
 
     def live_replicas(self) -> list[Replica]:
         """Active-version replicas that count towards `desired`: starting or ready, not on their way out."""

@@ -235,6 +235,8 @@ class ControlPlane:
 
         if found := candidates():
             return found
+        if sleepers := [r for r in dep.sleeping_replicas() if r.id not in exclude]:
+            return self._wake(dep, sleepers)
         if dep.waiting >= dep.max_queue:
             raise QueueFull(f"{name}: {dep.waiting} requests are already waiting for a replica (max_queue = "
                             f"{dep.max_queue}); retry shortly", retry_after=1.0)
@@ -424,6 +426,22 @@ class ControlPlane:
         dep.notify()
         return replica
 
+    def _sleep(self, dep: Deployment, replica: Replica) -> None:
+        replica.state = ReplicaState.SLEEPING
+        if self._probe_client is not None and replica.url is not None:
+            task = asyncio.create_task(self._post_sleep(dep, replica), name=f"ember-sleep-{replica.id}")
+            task.add_done_callback(_retrieve)
+
+    async def _post_sleep(self, dep: Deployment, replica: Replica) -> None:
+        assert self._probe_client is not None
+        try:
+            response = await self._probe_client.post(f"{replica.url}/sleep")
+        except httpx.HTTPError as e:
+            logger.info("%s: replica %s did not go to sleep (%s); it stays idle", dep.name, replica.id, e)
+            return
+        if response.status_code != 200:  # busy after all: it keeps its cache, which costs only memory
+            logger.info("%s: replica %s refused to sleep: %s", dep.name, replica.id, response.text[:200])
+
     def _retire(self, dep: Deployment, replica: Replica) -> asyncio.Task[None]:
         """Drain and stop one replica (once, however often it is asked); it takes no new requests from now on."""
         task = self._retiring.get(replica.id)
@@ -489,9 +507,27 @@ class ControlPlane:
             self._autoscale(dep)
             self._reconcile(dep)
 
+    def _wake(self, dep: Deployment, sleepers: list[Replica]) -> list[Replica]:
+        """Sleeping replicas take requests again at once: their engines reallocate the KV cache on the first one."""
+        for replica in sleepers:
+            replica.state = ReplicaState.READY
+        dep.desired, dep.sleeping_since = len(dep.live_replicas()), None
+        dep.log(f"woke {len(sleepers)} sleeping replica(s) for a request")
+        dep.notify()
+        return sleepers
+
     def _autoscale(self, dep: Deployment) -> None:
-        """Follow demand within [scaling]: start replicas at once, drain surplus ones after the idle delay."""
+        """Follow demand within [scaling]: start replicas at once, drain surplus ones after the idle delay; a
+        deployment that scales to zero sleeps first (KV cache freed, weights kept) and stops after another delay."""
         scaling = dep.scaling()
+        if dep.sleeping_since is not None:
+            if dep.demand() == 0 and time.monotonic() - dep.sleeping_since >= scaling.scale_down_delay:
+                for replica in dep.sleeping_replicas():
+                    self._retire(dep, replica)
+                dep.sleeping_since = None
+                dep.log("autoscaler: asleep for the idle delay; scaled to zero")
+                dep.notify()
+            return
         policy = ScalingPolicy(scaling.min_replicas, scaling.max_replicas, scaling.target_concurrency,
                                scaling.scale_down_delay)
         memory = self._scale_memory.setdefault(dep.name, ScaleMemory())
@@ -501,6 +537,12 @@ class ControlPlane:
             return
         if desired > dep.desired:
             dep.log(f"autoscaler: {demand} request(s) open or waiting; scaling up to {desired} replica(s)")
+        elif desired == 0 and demand == 0 and all(r.state is ReplicaState.READY for r in dep.live_replicas()):
+            # Idle and allowed to reach zero: sleep first, so a request in the next while wakes in a moment.
+            for replica in dep.live_replicas():
+                self._sleep(dep, replica)
+            dep.sleeping_since = time.monotonic()
+            dep.log(f"autoscaler: idle for {scaling.scale_down_delay:.0f} s; replicas sleep (KV cache freed)")
         else:
             # Surplus replicas drain (they finish what they hold); the least busy go first.
             live = sorted(dep.live_replicas(), key=lambda r: (r.in_flight, r.state is ReplicaState.READY))

@@ -207,6 +207,7 @@ class Replica:
             "stats": engine.stats() if engine else None,
             "max_model_len": engine.max_model_len if engine else None,
             "requests_in_flight": self.num_in_flight,
+            "sleeping": bool(engine and engine.sleeping),
         }
 
     # --- generation -------------------------------------------------------------------------
@@ -531,6 +532,24 @@ def create_app(replica: Replica) -> Starlette:
     async def info(request: Request) -> Response:
         return JSONResponse(replica.info())
 
+    async def sleep(request: Request) -> Response:
+        """Free the engine's KV cache, keep the weights: the state between warm and zero (a request wakes it)."""
+        engine = replica.engine
+        if engine is None or replica.status() != READY:
+            return JSONResponse({"status": replica.status(), "error": "not ready"}, 409)
+        if replica.num_in_flight:
+            return JSONResponse({"status": "busy", "error": f"{replica.num_in_flight} request(s) in flight"}, 409)
+        try:
+            engine.sleep()
+        except RuntimeError as e:
+            return JSONResponse({"status": "busy", "error": str(e)}, 409)
+        return JSONResponse({"status": "sleeping"})
+
+    async def wake(request: Request) -> Response:
+        if replica.engine is None:
+            return JSONResponse({"status": replica.status(), "error": "not loaded"}, 409)
+        return JSONResponse({"status": replica.status(), "wake_s": replica.engine.wake()})
+
     async def protocol_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ProtocolError)
         return _error_response(exc)
@@ -554,6 +573,8 @@ def create_app(replica: Replica) -> Starlette:
         Route("/ready", ready),
         Route("/metrics", metrics),
         Route("/info", info),
+        Route("/sleep", sleep, methods=["POST"]),
+        Route("/wake", wake, methods=["POST"]),
     ]
     return Starlette(routes=routes, middleware=[Middleware(AdmissionMiddleware, replica=replica)],
                      exception_handlers={ProtocolError: protocol_error, HTTPException: http_error,

@@ -52,6 +52,12 @@ def _until(predicate, timeout: float, what: str):  # type: ignore[no-untyped-def
     return wait()
 
 
+def _info(url: str) -> dict:
+    import httpx
+
+    return httpx.get(f"{url}/info", timeout=10).json()
+
+
 def test_scale_up_on_demand_then_to_zero_when_idle_then_a_cold_start(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -84,11 +90,24 @@ def test_scale_up_on_demand_then_to_zero_when_idle_then_a_cold_start(tmp_path: P
             await asyncio.sleep(1.5)
             assert len(dep.ready_replicas()) == 2
             first.in_flight = 0
-            await _until(lambda: not dep.replicas, 30, "scaling to zero")
+            # Idle for the delay: the replicas sleep (KV cache freed, processes and weights kept)...
+            sleepers = await _until(lambda: dep.sleeping_replicas(), 30, "replicas to sleep")
+            assert sleepers == dep.replicas and dep.desired == 0
+            assert sleepers[0].url is not None
+            info = await _until(lambda: _info(sleepers[0].url) if _info(sleepers[0].url)["sleeping"] else None, 30,
+                                "the replica's engine to sleep")
+            assert info["stats"]["kv_blocks_free"] == info["stats"]["kv_blocks_total"]
+            # ...and a request wakes it at once: the same process, no cold start.
+            woken = await plane.acquire("tiny-llama")
+            assert woken == sleepers and all(r.state is ReplicaState.READY for r in woken)
+            assert dep.desired == len(woken)
+
+            await _until(lambda: dep.sleeping_replicas(), 30, "sleeping again")
+            await _until(lambda: not dep.replicas, 30, "scaling to zero after sleeping for the delay")
             assert dep.desired == 0 and any("scaled to zero" in e for e in dep.events)
 
             [again] = await plane.acquire("tiny-llama")  # the next request succeeds after a cold start
-            assert again.state is ReplicaState.READY and again is not first
+            assert again.state is ReplicaState.READY and again not in woken
         finally:
             await plane.shutdown()
 
