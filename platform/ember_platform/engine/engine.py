@@ -23,6 +23,7 @@ from torch import nn
 from ember.plugins import PluginHost
 from ember.selection import SelectionReport
 from ember_platform.engine.config import ModelSource, read_hf_config, resolve_source
+from ember_platform.engine.host_memory import release_pages
 from ember_platform.engine.kv_cache_manager import KVCacheManager
 from ember_platform.engine.lora import check_adapter_name
 from ember_platform.engine.lora_layer import lora_layouts
@@ -431,9 +432,11 @@ class LLMEngine:
     def sleep(self) -> None:
         """Free the KV cache, the engine's largest allocation, and keep the weights loaded.
 
-        The state between warm and zero: `wake()` only reallocates the cache (milliseconds), where a
-        cold start spawns a process and loads (and quantizes) the weights. Cached prefixes are
-        forgotten (routing sees them evicted); with KV tiers on they stay in the lower tiers.
+        The state between warm and zero: where a cold start spawns a process and loads (and
+        quantizes) the weights, `wake()` has nothing to load. On Linux CPUs the cache's pages go back
+        to the OS in place (they read as zeros when next touched, so waking costs nothing up front);
+        elsewhere the cache is freed and `wake()` reallocates it. Cached prefixes are forgotten
+        (routing sees them evicted); with KV tiers on they stay in the lower tiers.
         """
         if self.sleeping:
             return
@@ -441,21 +444,24 @@ class LLMEngine:
             raise RuntimeError("cannot sleep with requests in flight; drain first")
         if not self.kv.pool.reset_prefix_cache():
             raise RuntimeError("cannot sleep: KV blocks are still in use")
-        self.runner.kv_caches = []
-        if self.kv_tiers is not None:
-            self.kv_tiers.kv_caches = []
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        in_place = self.device.type == "cpu" and release_pages(t for kv in self.runner.kv_caches for t in kv)
+        if not in_place:
+            self.runner.kv_caches = []
+            if self.kv_tiers is not None:
+                self.kv_tiers.kv_caches = []
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         self.sleeping = True
 
     def wake(self) -> float:
         """Reallocate the KV cache after `sleep()`; returns the seconds it took."""
         t0 = time.perf_counter()
         if self.sleeping:
-            caches = allocate_kv_caches(*self._kv_cache_spec)
-            self.runner.kv_caches = caches
-            if self.kv_tiers is not None:
-                self.kv_tiers.kv_caches = list(caches)
+            if not self.runner.kv_caches:  # freed, not released in place
+                caches = allocate_kv_caches(*self._kv_cache_spec)
+                self.runner.kv_caches = caches
+                if self.kv_tiers is not None:
+                    self.kv_tiers.kv_caches = list(caches)
             self.sleeping = False
         return time.perf_counter() - t0
 

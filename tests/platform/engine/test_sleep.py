@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,11 @@ EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny-llama"
 PROMPT = "def parse_args(argv):\n    parser = argparse.ArgumentParser("
 
 
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def test_sleep_frees_the_cache_and_a_request_wakes_it_with_the_same_output() -> None:
     llm = LLM(EXAMPLE)
     engine = llm.engine
@@ -20,10 +26,14 @@ def test_sleep_frees_the_cache_and_a_request_wakes_it_with_the_same_output() -> 
     before = llm.generate([PROMPT], params)[0].token_ids
 
     cache_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in engine.runner.kv_caches)
-    assert cache_bytes > 0
+    assert cache_bytes > 64 << 20
+    for k, v in engine.runner.kv_caches:  # a used cache: every page resident, and not zero
+        k.fill_(1.0)
+        v.fill_(1.0)
+    rss = resident_bytes()
     engine.sleep()
-    assert engine.sleeping and engine.runner.kv_caches == []
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.sleeping and engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert rss - resident_bytes() > cache_bytes // 2  # the memory went back to the OS
     engine.sleep()  # idempotent
 
     after = llm.generate([PROMPT], params)[0].token_ids  # wakes on the request
