@@ -50,6 +50,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--users", type=int, default=None, help="requests per system prompt (default 16; quick 4)")
     parser.add_argument("--concurrency", type=int, default=3, help="requests in flight at once (default 3)")
     parser.add_argument("--hot-requests", type=int, default=None, help="hot-spot check requests (default 36)")
+    parser.add_argument("--hot-concurrency", type=int, default=24,
+                        help="hot-spot check requests in flight (default 24: enough to saturate one replica)")
+    parser.add_argument("--hot-only", action="store_true", help="run only the hot-spot check")
     parser.set_defaults(threads=1, repeats=1)
 
 
@@ -197,13 +200,21 @@ def main() -> None:
         package_copy(model, workdir / "pkg-a", replicas=3)
         package_copy(model, workdir / "pkg-b", replicas=0)
         runs: dict[str, list[dict[str, Any]]] = {"round-robin": [], "kv": []}
-        for _ in range(args.repeats):
+        for _ in range(0 if args.hot_only else args.repeats):
             for policy in ("round-robin", "kv"):
                 runs[policy].append(topology_run(args, policy, prompts, args.concurrency, workdir / f"run-{policy}",
                                                  workdir))
                 shutil.rmtree(workdir / f"run-{policy}", ignore_errors=True)
         hot_prompts = workload(tokenizer, hot_requests, num_prefixes=1, seed=SEED + 1)
-        hot = topology_run(args, "kv", hot_prompts, max(12, 2 * args.concurrency), workdir / "run-hot", workdir)
+        hot = topology_run(args, "kv", hot_prompts, args.hot_concurrency, workdir / "run-hot", workdir)
+
+    hot_line = (f"hot spot ({len(hot_prompts)} requests, one system prompt, {args.hot_concurrency} in flight): "
+                f"requests per replica {sorted(hot['per_replica'].values(), reverse=True)}")
+    if args.hot_only:
+        print(hot_line)
+        emit("routing-hot", {"hot_spot": hot, "hot_concurrency": args.hot_concurrency, **environment(args)},
+             args.results)
+        return
 
     def med(policy: str, key: str) -> float:
         return median([r[key] for r in runs[policy]])
@@ -218,8 +229,7 @@ def main() -> None:
                  for p in runs])
     print(f"\nkv / round-robin: {cached_ratio:.2f}x prompt tokens from cache (target >= {TARGETS['cached_ratio']}x), "
           f"{ttft_ratio:.2f}x lower mean TTFT (target >= {TARGETS['ttft_ratio']}x)")
-    print(f"hot spot ({len(hot_prompts)} requests, one system prompt): requests per replica "
-          f"{sorted(hot['per_replica'].values(), reverse=True)}")
+    print(hot_line)
     record = {"cached_ratio": round(cached_ratio, 3), "ttft_ratio": round(ttft_ratio, 3), "targets": TARGETS,
               "met": cached_ratio >= TARGETS["cached_ratio"] and ttft_ratio >= TARGETS["ttft_ratio"],
               "runs": runs, "hot_spot": hot, "workload": {"requests": len(prompts), "prefixes": NUM_PREFIXES,
