@@ -43,18 +43,38 @@ CLIENT_CLOSED = 499  # nginx's status for a request whose client went away; neve
 
 
 class ReplicaChooser(Protocol):
-    """Picks the replica for one request among the ready ones (the KV-aware router takes this place)."""
+    """Picks the replica for one request (round robin, or the KV-aware router in gateway/routing.py)."""
 
-    def choose(self, deployment: Deployment, candidates: Sequence[Replica], body: bytes) -> Replica: ...
+    def remote_candidates(self, deployment: Deployment) -> list[Replica]:
+        """Ready replicas this gateway does not run (other gateways', from shared routing tables)."""
+        ...
+
+    async def achoose(self, deployment: Deployment, candidates: Sequence[Replica], body: bytes,
+                      request_id: str) -> Replica:
+        """The replica for this request; whatever it reserves is held until `release(request_id)`."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """The request ended (or its attempt failed): give back what `achoose` reserved for it."""
+        ...
 
 
 class RoundRobin:
+    """Every ready replica of a deployment in turn, whatever it holds; reserves nothing."""
+
     def __init__(self) -> None:
         self._counters: dict[str, itertools.count[int]] = {}
 
-    def choose(self, deployment: Deployment, candidates: Sequence[Replica], body: bytes) -> Replica:
+    def remote_candidates(self, deployment: Deployment) -> list[Replica]:
+        return []
+
+    async def achoose(self, deployment: Deployment, candidates: Sequence[Replica], body: bytes,
+                      request_id: str) -> Replica:
         counter = self._counters.setdefault(deployment.name, itertools.count())
         return candidates[next(counter) % len(candidates)]
+
+    def release(self, request_id: str) -> None:
+        pass
 
 
 class Proxy:
@@ -101,7 +121,7 @@ class Proxy:
         candidates = await self._candidates(name)
         while True:
             dep = self.plane.get(name)
-            replica = await self._choose(dep, candidates, body, request_id)
+            replica = await self.chooser.achoose(dep, candidates, body, request_id)
             tried.add(replica.id)
             request = self.client.build_request(
                 "POST", f"{replica.url}{path}", content=body,
@@ -113,30 +133,30 @@ class Proxy:
                 response = await self._send(request, name)
             except _RETRYABLE as e:
                 replica.in_flight -= 1
-                self._release(request_id)
+                self.chooser.release(request_id)
                 logger.warning("%s: replica %s at %s unreachable (%s); trying another", name, replica.id,
                                replica.url, e)
                 self.plane.report_unreachable(dep, replica)
                 response = None
             except httpx.TimeoutException:
                 replica.in_flight -= 1
-                self._release(request_id)
+                self.chooser.release(request_id)
                 raise ProtocolError(504, f"The replica of '{name}' did not answer within the model's request "
                                          f"timeout ({dep.request_timeout:.0f} s).", None, "upstream_timeout") from None
             except httpx.HTTPError as e:
                 replica.in_flight -= 1
-                self._release(request_id)
+                self.chooser.release(request_id)
                 raise ProtocolError(502, f"The replica of '{name}' failed: {type(e).__name__}: {e}", None,
                                     "upstream_error", type="server_error") from None
             except BaseException:
                 replica.in_flight -= 1
-                self._release(request_id)
+                self.chooser.release(request_id)
                 raise
             if response is not None and response.status_code == 503:
                 retry_after = _retry_after(response) or retry_after
                 await response.aclose()
                 replica.in_flight -= 1
-                self._release(request_id)
+                self.chooser.release(request_id)
                 self.plane.report_unavailable(dep, replica)
                 response = None
             if response is not None:
@@ -166,27 +186,15 @@ class Proxy:
         gateways too (then a gateway that runs none routes to them instead of starting one). Otherwise the
         control plane's bounded queue, which cold-starts a deployment scaled to zero."""
         dep = self.plane.get(name)
-        remote = getattr(self.chooser, "remote_candidates", None)
-        found = [*dep.ready_replicas(), *(remote(dep) if remote is not None else ())]
+        found = [*dep.ready_replicas(), *self.chooser.remote_candidates(dep)]
         if found or not wait:
             return found
         return await self.plane.acquire(name)
 
-    async def _choose(self, dep: Deployment, candidates: Sequence[Replica], body: bytes, request_id: str) -> Replica:
-        achoose = getattr(self.chooser, "achoose", None)
-        if achoose is not None:  # a router that reserves a slot (released when the request ends)
-            return await achoose(dep, candidates, body, request_id)
-        return self.chooser.choose(dep, candidates, body)
-
-    def _release(self, request_id: str) -> None:
-        release = getattr(self.chooser, "release", None)
-        if release is not None:
-            release(request_id)
-
     def _finisher(self, name: str, endpoint: str, replica: Replica, received_at: float,
                   request_id: str) -> Callable[[int], None]:
         def finish(status: int) -> None:
-            self._release(request_id)
+            self.chooser.release(request_id)
             replica.in_flight -= 1
             replica.served += 1
             self.metrics.count(name, endpoint, status)

@@ -21,6 +21,7 @@ Torch-free; a request the gateway cannot tokenize routes on load alone.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -68,19 +69,13 @@ class KVAwareChooser:
         self._predicted: dict[str, OrderedDict[bytes, None]] = {}  # replica id -> blocks routed there, LRU
         self._adapters: dict[str, OrderedDict[str, None]] = {}
         self._reservations: dict[str, Reservation] = {}  # request id -> its slot
-        self.decisions = {"kv_routed": 0, "load_routed": 0, "cached_blocks": 0}
 
     # --- the proxy's interface -------------------------------------------------------------------
-
-    def choose(self, deployment: Deployment, candidates: Sequence[Replica], body: bytes) -> Replica:
-        return self._choose(deployment, candidates, body, uuid.uuid4().hex)
 
     async def achoose(self, deployment: Deployment, candidates: Sequence[Replica], body: bytes,
                       request_id: str) -> Replica:
         if self.observe_routing:  # in-process tables: no round trip, no thread
             return self._choose(deployment, candidates, body, request_id)
-        import asyncio
-
         return await asyncio.to_thread(self._choose, deployment, candidates, body, request_id)
 
     def release(self, request_id: str) -> None:
@@ -115,7 +110,6 @@ class KVAwareChooser:
         return out
 
     def _choose(self, dep: Deployment, candidates: Sequence[Replica], body: bytes, request_id: str) -> Replica:
-        candidates = [*candidates, *(r for r in self.remote_candidates(dep) if r not in candidates)]
         by_id = {r.id: r for r in candidates}
         hasher = PromptHasher.for_package(dep.active.package_dir)
         parsed, lora = _parse(body)
@@ -135,11 +129,8 @@ class KVAwareChooser:
                                              allowed=allowed, hold_s=dep.request_timeout + 60)
         except RoutingError as e:  # tables unreachable or nothing ready in them: the control plane's view decides
             log.info("%s: routing tables cannot choose (%s); taking the least loaded replica", dep.name, e)
-            self.decisions["load_routed"] += 1
             return min(candidates, key=lambda r: r.in_flight)
         self._reservations[request_id] = reservation
-        self.decisions["kv_routed"] += 1
-        self.decisions["cached_blocks"] += reservation.num_cached_blocks
         replica = by_id[reservation.replica_id]
         self._record(replica.id, hashes, lora)
         return replica
