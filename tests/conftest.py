@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -118,3 +126,87 @@ def use_plugins(plugin_dists: dict[str, Path], monkeypatch: pytest.MonkeyPatch) 
             monkeypatch.syspath_prepend(str(plugin_dists[key]))
 
     return use
+
+
+# --- a real S3 endpoint ---------------------------------------------------------------------
+
+# Dummy credentials for moto; never ask an instance-metadata service for real ones (that waits for a timeout).
+AWS_TEST_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MotoServer:
+    """A moto S3 server in its own process on a free loopback port; `stop()` takes it down (mid-run if need be)."""
+
+    def __init__(self, log: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        with open(log, "wb") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **AWS_TEST_ENV, **(env or {})})
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(self.url + "/moto-api/", timeout=1).close()
+                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    pytest.fail(f"moto server did not start on {self.url}: {log.read_text()[-2000:]}")
+                time.sleep(0.1)
+
+    def client(self):  # -> botocore S3 client, with explicit credentials (it cannot see a test's environment)
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.url, region_name="us-east-1",
+                            aws_access_key_id="testing", aws_secret_access_key="testing")
+
+    def new_bucket(self, prefix: str = "ember-test") -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@pytest.fixture(scope="session")
+def start_moto() -> Callable[..., MotoServer]:
+    """start_moto(log, env=None) -> a running MotoServer; the caller stops it. (Sub-tree conftests reach the
+    class through this fixture: pytest's importlib mode lets no test module import a conftest.)"""
+    return MotoServer
+
+
+@pytest.fixture
+def aws_sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing the test does can reach a real AWS account or read ~/.aws."""
+    for name, value in AWS_TEST_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def dead_endpoint() -> str:
+    """An endpoint URL on a loopback port that nothing listens on (connection refused at once)."""
+    return f"http://127.0.0.1:{free_port()}"

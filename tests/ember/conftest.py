@@ -1,91 +1,39 @@
-"""Fixtures for tests/ember: an isolated environment, and a real S3 endpoint (a moto server)."""
+"""Fixtures for tests/ember: an isolated environment, and real S3 endpoints (moto servers, tests/conftest.py)."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-DUMMY_AWS_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_SESSION_TOKEN": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    # Never ask an instance-metadata service for credentials: that waits for a timeout.
-    "AWS_EC2_METADATA_DISABLED": "true",
-}
-
 
 @pytest.fixture(autouse=True)
-def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aws_sandbox: None) -> None:
     """Nothing a test does touches ~/.ember, ~/.aws or a real AWS account."""
     monkeypatch.setenv("EMBER_CACHE", str(tmp_path / "ember-cache"))
     monkeypatch.setenv("EMBER_REGISTRY", str(tmp_path / "ember-registry"))
-    for name, value in DUMMY_AWS_ENV.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
-        monkeypatch.delenv(name, raising=False)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def moto_server(log: Path, env: dict[str, str] | None = None) -> Iterator[str]:
-    """A moto S3 server in its own process on a free loopback port; yields its endpoint URL."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "wb") as out:
-        server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                  stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(url + "/moto-api/", timeout=1).close()
-                break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                if server.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"moto server did not start on {url}: {log.read_text()[-2000:]}")
-                time.sleep(0.1)
-        yield url
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with moto_server(tmp_path_factory.mktemp("moto") / "moto.log") as url:
-        yield url
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory, start_moto: Callable[..., Any]) -> Iterator[str]:
+    server = start_moto(tmp_path_factory.mktemp("moto") / "moto.log")
+    yield server.url
+    server.stop()
 
 
 @pytest.fixture(scope="session")
-def iam_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
+def iam_s3(tmp_path_factory: pytest.TempPathFactory,
+           start_moto: Callable[..., Any]) -> Iterator[tuple[str, dict[str, str]]]:
     """A second server that checks IAM: after the setup below, the dummy credentials are unknown
     to it, and those of a user with no policy are denied everything. Yields (endpoint, that user)."""
     setup_calls = 3  # create_bucket, create_user, create_access_key
     log = tmp_path_factory.mktemp("moto-iam") / "moto.log"
-    with moto_server(log, {"INITIAL_NO_AUTH_ACTION_COUNT": str(setup_calls)}) as url:
+    server = start_moto(log, {"INITIAL_NO_AUTH_ACTION_COUNT": str(setup_calls)})
+    url = server.url
+    try:
         auth = {"endpoint_url": url, "region_name": "us-east-1", "aws_access_key_id": "testing",
                 "aws_secret_access_key": "testing"}
         import boto3
@@ -95,12 +43,8 @@ def iam_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict
         iam.create_user(UserName="nobody")
         key = iam.create_access_key(UserName="nobody")["AccessKey"]
         yield url, {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
-
-
-@pytest.fixture
-def dead_endpoint() -> str:
-    """An endpoint URL on a loopback port that nothing listens on."""
-    return f"http://127.0.0.1:{free_port()}"
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
