@@ -66,7 +66,10 @@ def test_tables_rebuild_after_a_redis_restart(own_redis, namespace: str, scorer_
 
         # Neither the gateways nor the publishers were restarted: their clients reconnect on their own, the next
         # heartbeats re-register both replicas and each resends its whole block set.
-        wait_for(lambda: routed_by_cache() and len(gateways[1].tables.snapshot("m")) == 2, timeout=5)
+        # A publisher counts its resync once it has resent its blocks, just after its heartbeat re-registered it:
+        # wait for the count too, not only for both replicas to be back.
+        wait_for(lambda: routed_by_cache() and len(gateways[1].tables.snapshot("m")) == 2
+                 and all(pub.num_resyncs >= 2 for pub in pubs), timeout=5)
         assert gateways[1].tables.client.get(f"{namespace}epoch") not in (None, epoch)  # type: ignore[attr-defined]
         assert all(pub.num_resyncs >= 2 for pub in pubs)
         assert gateways[1].tables.snapshot("m", chain)[1].record.adapters == {"sql"}
