@@ -47,6 +47,7 @@ from ember_platform.kvtiers.store import KVTierStore
 log = logging.getLogger("ember.engine")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PREFILL_RATE_MIN_TOKENS = 64  # steps with fewer tokens are decode-bound: they say little about recomputing a prefix
 CPU_KV_CACHE_DEFAULT_GB = 4.0  # like vLLM's CPU backend: a fixed budget, since host RAM is shared
 NATIVE_BF16_CPU_FEATURES = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 # LoRA serving knobs (engine keywords; no manifest field yet): device slots, the largest rank accepted,
@@ -132,6 +133,7 @@ class LLMEngine:
         self._states: dict[str, _RequestState] = {}
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
+        self.prefill_tokens_per_s = 0.0  # measured on large steps; 0 until one ran (the router prices tier fetches)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.timings["init"] = time.perf_counter() - t0
@@ -294,8 +296,10 @@ class LLMEngine:
         outputs.extend(self._finish_output(req, []) for req in batch.refused)
         if not batch.requests:
             return outputs
+        t0 = time.perf_counter()
         result = self.runner.execute(batch)
-        sampled_tokens = self._sample(result)
+        sampled_tokens = self._sample(result)  # reads the tokens back: the device is done with the step here
+        self._measure_prefill(sum(batch.num_tokens), time.perf_counter() - t0)
         for req, n in zip(batch.requests, batch.num_tokens, strict=True):
             req.num_computed_tokens += n
             # Register full computed blocks now: a request that finishes this step frees them in _append,
@@ -310,6 +314,14 @@ class LLMEngine:
                 self.kv.cache_blocks(req)
         self._propose()
         return outputs
+
+    def _measure_prefill(self, num_tokens: int, seconds: float) -> None:
+        """Track the tokens/s of steps large enough to be prefill-bound (a moving average: the load changes)."""
+        if num_tokens < PREFILL_RATE_MIN_TOKENS or seconds <= 0:
+            return
+        rate = num_tokens / seconds
+        self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
+            0.8 * self.prefill_tokens_per_s + 0.2 * rate
 
     def _sample(self, result: ForwardResult) -> list[list[int]]:
         if not result.sampled:

@@ -99,6 +99,8 @@ class S3Tier:
         self.bucket = bucket
         self.prefix = f"{prefix.strip('/')}/{layout.namespace}/" if prefix.strip("/") else f"{layout.namespace}/"
         self.url = url
+        # Names the store in the routing tables: replicas that agree on it read each other's uploads.
+        self.store_id = f"{endpoint_url or 'aws'}|{bucket}/{self.prefix}"
         self.breaker = breaker or CircuitBreaker()
         self.capacity_bytes = capacity_bytes
         config = Config(connect_timeout=timeout_s, read_timeout=timeout_s,

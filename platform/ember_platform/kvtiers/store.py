@@ -294,6 +294,11 @@ class KVTierStore:
         """`listener(TierEvent)` on every change of a tier's membership, from the thread that changed it."""
         self._listeners.append(listener)
 
+    @property
+    def shared_store(self) -> str:
+        """The S3 store's name for the routing tables ("" without S3): endpoint, bucket and this model's prefix."""
+        return self.s3.store_id if self.s3 is not None else ""
+
     def membership(self) -> dict[str, list[BlockHash]]:
         """Every block each tier holds now (for a full resync of the routing tables); S3: this replica's uploads."""
         return {name: tier.hashes() for name, tier in (("cpu", self.cpu), ("disk", self.disk), ("s3", self.s3))

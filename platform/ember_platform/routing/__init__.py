@@ -11,10 +11,12 @@ Torch-free, so the gateway can import it.
 
 from ember_platform.routing.publisher import ReplicaPublisher, engine_load
 from ember_platform.routing.records import (
+    KV_TIERS,
     Balance,
     Candidate,
     DeploymentState,
     HeartbeatResult,
+    KVFetchCosts,
     NoReadyReplica,
     ReplicaLoad,
     ReplicaRecord,
@@ -30,7 +32,8 @@ from ember_platform.routing.scoring import RouterConfig, RouteRequest, Score, Sc
 from ember_platform.routing.tables import RoutingTables, open_tables
 
 __all__ = [
-    "Balance", "Candidate", "DeploymentState", "HeartbeatResult", "NoReadyReplica", "Rated", "ReplicaLoad",
+    "KV_TIERS", "Balance", "Candidate", "DeploymentState", "HeartbeatResult", "KVFetchCosts", "NoReadyReplica",
+    "Rated", "ReplicaLoad",
     "ReplicaPublisher", "ReplicaRecord", "ReplicaState", "ReplicaView", "ReplicasBusy", "Reservation",
     "RouteRequest", "Router", "RouterConfig", "RoutingError", "RoutingTables", "Score", "Scorer",
     "TablesUnavailable", "WeightedScorer", "engine_load", "load_scorers", "open_tables", "request_block_hashes",

@@ -23,7 +23,16 @@ from ember_platform.routing.records import (
     ReplicaView,
     Reservation,
 )
-from ember_platform.routing.tables import DEFAULT_HOLD_S, RoutingTables, Slot, pick, total_cost
+from ember_platform.routing.tables import (
+    DEFAULT_HOLD_S,
+    BlockTiers,
+    RoutingTables,
+    Slot,
+    as_tiers,
+    leading_tiers,
+    pick,
+    total_cost,
+)
 
 
 @dataclass(slots=True)
@@ -31,7 +40,7 @@ class _Entry:
     record: ReplicaRecord
     incarnation: str
     deadline: float
-    blocks: set[bytes] = field(default_factory=set)
+    blocks: dict[bytes, int] = field(default_factory=dict)  # hash -> tier rank
     held: dict[str, float] = field(default_factory=dict)  # reservation token -> deadline
 
 
@@ -42,6 +51,7 @@ class InProcessTables(RoutingTables):
         self._epoch = uuid.uuid4().hex
         self._replicas: dict[str, _Entry] = {}
         self._deployments: dict[str, DeploymentState] = {}
+        self._shared: dict[str, set[bytes]] = {}  # shared store -> its blocks
 
     # --- the replica's side ---------------------------------------------------------------------
 
@@ -60,20 +70,29 @@ class InProcessTables(RoutingTables):
             entry.record, entry.deadline = record, now + ttl_s
             return HeartbeatResult(self._epoch, resync)
 
-    def update_blocks(self, replica_id: str, stored: Collection[bytes], removed: Collection[bytes], *,
+    def update_blocks(self, replica_id: str, stored: BlockTiers, removed: Collection[bytes], *,
                       ttl_s: float) -> None:
+        stored = as_tiers(stored)
         with self._lock:
             entry = self._replicas.get(replica_id)
             if entry is None:
                 return  # lapsed or never registered: its next heartbeat asks for a resync anyway
             entry.blocks.update(stored)
-            entry.blocks.difference_update(removed)
+            for h in removed:
+                entry.blocks.pop(h, None)
 
-    def replace_blocks(self, replica_id: str, hashes: Collection[bytes], *, ttl_s: float) -> None:
+    def replace_blocks(self, replica_id: str, hashes: BlockTiers, *, ttl_s: float) -> None:
+        hashes = as_tiers(hashes)
         with self._lock:
             entry = self._replicas.get(replica_id)
             if entry is not None:
-                entry.blocks = set(hashes)
+                entry.blocks = hashes
+
+    def update_shared(self, store: str, stored: Collection[bytes], removed: Collection[bytes]) -> None:
+        with self._lock:
+            blocks = self._shared.setdefault(store, set())
+            blocks.update(stored)
+            blocks.difference_update(removed)
 
     def remove_replica(self, model: str, replica_id: str) -> None:
         with self._lock:
@@ -100,12 +119,9 @@ class InProcessTables(RoutingTables):
                 entry = self._replicas[replica_id]
                 if entry.record.model != model:
                     continue
-                cached = 0
-                for h in block_hashes:  # hashes chain, so only the leading run of hits is reusable
-                    if h not in entry.blocks:
-                        break
-                    cached += 1
-                views.append(ReplicaView(entry.record, self._in_flight(entry, now), cached))
+                shared = self._shared.get(entry.record.shared_store, ()) if entry.record.shared_store else ()
+                tiers = leading_tiers(block_hashes, entry.blocks, shared)
+                views.append(ReplicaView(entry.record, self._in_flight(entry, now), len(tiers), tiers))
             return views
 
     def reserve(self, model: str, candidates: Sequence[Candidate], *, balance: Balance,
@@ -138,10 +154,14 @@ class InProcessTables(RoutingTables):
             if entry is not None:
                 entry.held.pop(reservation.token, None)
 
-    def blocks(self, replica_id: str) -> set[bytes]:
+    def block_tiers(self, replica_id: str) -> dict[bytes, int]:
         with self._lock:
             entry = self._replicas.get(replica_id)
-            return set(entry.blocks) if entry is not None else set()
+            return dict(entry.blocks) if entry is not None else {}
+
+    def shared_blocks(self, store: str) -> set[bytes]:
+        with self._lock:
+            return set(self._shared.get(store, ()))
 
     # --- internals ------------------------------------------------------------------------------
 

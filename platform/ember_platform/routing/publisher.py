@@ -13,11 +13,13 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ember_platform.routing.records import (
+    DEVICE,
     HeartbeatResult,
+    KVFetchCosts,
     ReplicaLoad,
     ReplicaRecord,
     ReplicaState,
@@ -32,13 +34,16 @@ class ReplicaPublisher:
     """Publishes one replica to the routing tables from a background thread (`start()` ... `close()`).
 
     `record_kv_events` is safe to call from the engine's thread after each step; the thread sends the events in
-    batches every `flush_s`, and a heartbeat every `heartbeat_s` that keeps a lease of `ttl_s`.
+    batches every `flush_s`, and a heartbeat every `heartbeat_s` that keeps a lease of `ttl_s`. With KV tiers, a
+    block's tier rank (`record_block_tiers`) and the replica's uploads to a shared store (`record_shared`, with
+    `shared_store` naming it) travel the same way, and `kv_costs` prices fetching from each tier.
     """
 
     def __init__(self, tables: RoutingTables, *, replica_id: str, model: str, url: str,
                  load: Callable[[], ReplicaLoad], version: str = "", block_size: int = 16,
                  state: ReplicaState = ReplicaState.STARTING, heartbeat_s: float = 1.0, ttl_s: float | None = None,
-                 flush_s: float = 0.05) -> None:
+                 flush_s: float = 0.05, kv_costs: Callable[[], KVFetchCosts] | None = None,
+                 shared_store: str = "") -> None:
         self.tables = tables
         self.replica_id = replica_id
         self.model = model
@@ -46,6 +51,8 @@ class ReplicaPublisher:
         self.version = version
         self.block_size = block_size
         self.load = load
+        self.kv_costs = kv_costs
+        self.shared_store = shared_store
         self.heartbeat_s = heartbeat_s
         self.ttl_s = ttl_s if ttl_s is not None else 3 * heartbeat_s  # two heartbeats may be late or lost
         self.flush_s = flush_s
@@ -55,8 +62,10 @@ class ReplicaPublisher:
         self._adapters: frozenset[str] = frozenset()
         self._lock = threading.Lock()      # guards the block set and the pending batch
         self._io = threading.Lock()        # one conversation with the tables at a time
-        self._blocks: set[bytes] = set()
-        self._pending: dict[bytes, bool] = {}  # hash -> present: only a hash's last state needs sending
+        self._blocks: dict[bytes, int] = {}  # hash -> tier rank
+        self._pending: dict[bytes, int | None] = {}  # hash -> rank, None: gone. Only its last state needs sending
+        self._shared: set[bytes] = set()  # this replica's uploads to the shared store
+        self._shared_pending: dict[bytes, bool] = {}
         self._epoch: str | None = None
         self._in_sync = False
         self._beat_now = threading.Event()
@@ -79,20 +88,36 @@ class ReplicaPublisher:
                 counts.subtract(removed)
                 for h in both:
                     present = counts[h] > 0 if counts[h] else h in self._blocks
-                    self._set(h, present)
+                    self._set(h, DEVICE if present else None)
             for h in stored:
                 if h not in both:
-                    self._set(h, True)
+                    self._set(h, DEVICE)
             for h in removed:
                 if h not in both:
-                    self._set(h, False)
+                    self._set(h, None)
 
-    def _set(self, block_hash: bytes, present: bool) -> None:
-        if present:
-            self._blocks.add(block_hash)
+    def record_block_tiers(self, changes: Mapping[bytes, int | None]) -> None:
+        """Blocks whose fastest tier on this replica changed: its new rank, or None when no tier holds it."""
+        with self._lock:
+            for h, rank in changes.items():
+                self._set(h, rank)
+
+    def record_shared(self, stored: Iterable[bytes], removed: Iterable[bytes]) -> None:
+        """Blocks this replica uploaded to (or deleted from) the shared store."""
+        with self._lock:
+            for h in stored:
+                self._shared.add(h)
+                self._shared_pending[h] = True
+            for h in removed:
+                self._shared.discard(h)
+                self._shared_pending[h] = False
+
+    def _set(self, block_hash: bytes, rank: int | None) -> None:
+        if rank is None:
+            self._blocks.pop(block_hash, None)
         else:
-            self._blocks.discard(block_hash)
-        self._pending[block_hash] = present
+            self._blocks[block_hash] = rank
+        self._pending[block_hash] = rank
 
     def set_state(self, state: ReplicaState) -> None:
         """READY once it takes requests, DRAINING before it stops: published at once, not at the next beat."""
@@ -110,6 +135,11 @@ class ReplicaPublisher:
             return frozenset(self._blocks)
 
     @property
+    def block_tiers(self) -> dict[bytes, int]:
+        with self._lock:
+            return dict(self._blocks)
+
+    @property
     def in_sync(self) -> bool:
         return self._in_sync
 
@@ -117,7 +147,9 @@ class ReplicaPublisher:
 
     def record(self) -> ReplicaRecord:
         return ReplicaRecord(self.replica_id, self.model, self.url, version=self.version, state=self._state,
-                             block_size=self.block_size, load=self.load(), adapters=self._adapters)
+                             block_size=self.block_size, load=self.load(), adapters=self._adapters,
+                             kv_costs=self.kv_costs() if self.kv_costs else KVFetchCosts(),
+                             shared_store=self.shared_store)
 
     def publish(self) -> HeartbeatResult:
         """One heartbeat, then a resync or the pending events. Raises TablesUnavailable if the store is down."""
@@ -128,9 +160,13 @@ class ReplicaPublisher:
                 self._epoch = result.epoch
                 if result.resync or not self._in_sync:
                     with self._lock:  # events recorded from here on go to the next batch, after the full set
-                        everything = list(self._blocks)
+                        everything = dict(self._blocks)
+                        uploads = list(self._shared)
                         self._pending.clear()
+                        self._shared_pending.clear()
                     self.tables.replace_blocks(self.replica_id, everything, ttl_s=self.ttl_s)
+                    if self.shared_store and uploads:  # others' uploads are theirs to resend
+                        self.tables.update_shared(self.shared_store, uploads, ())
                     self.num_resyncs += 1
                     self._in_sync = True
                 else:
@@ -153,12 +189,15 @@ class ReplicaPublisher:
 
     def _flush(self) -> None:
         with self._lock:
-            if not self._pending:
-                return
             batch, self._pending = self._pending, {}
-        stored = [h for h, present in batch.items() if present]
-        removed = [h for h, present in batch.items() if not present]
-        self.tables.update_blocks(self.replica_id, stored, removed, ttl_s=self.ttl_s)
+            shared, self._shared_pending = self._shared_pending, {}
+        if batch:
+            stored = {h: rank for h, rank in batch.items() if rank is not None}
+            removed = [h for h, rank in batch.items() if rank is None]
+            self.tables.update_blocks(self.replica_id, stored, removed, ttl_s=self.ttl_s)
+        if shared and self.shared_store:
+            self.tables.update_shared(self.shared_store, [h for h, up in shared.items() if up],
+                                      [h for h, up in shared.items() if not up])
 
     # --- the background thread ----------------------------------------------------------------
 

@@ -5,7 +5,8 @@ Plain data, shared by both table backends, the router, the publisher and the sco
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -18,6 +19,13 @@ class DeploymentState(StrEnum):
     STARTING = "starting"  # a replica is loading
     WARM = "warm"          # at least one replica serves
     SLEEPING = "sleeping"  # weights parked in host RAM, engine memory freed: wakes faster than cold
+
+
+# Where a replica can reuse a KV block from, fastest first; a block's *tier rank* is its index here. "device" is
+# the engine's prefix cache; "cpu" and "disk" are the replica's own lower tiers; "s3" is a store that every
+# replica configured with it shares (ember_platform.kvtiers).
+KV_TIERS = ("device", "cpu", "disk", "s3")
+DEVICE, SHARED = 0, KV_TIERS.index("s3")
 
 
 class ReplicaState(StrEnum):
@@ -52,6 +60,39 @@ class ReplicaLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class KVFetchCosts:
+    """What reusing a block from a lower tier costs this replica, as it measured it, so that a router can price a
+    fetch (block bytes over the tier's read bandwidth) against recomputing (block tokens over the prefill rate).
+    Zeros and missing tiers mean "not measured yet"; scorers then fall back to their defaults."""
+
+    block_bytes: int = 0
+    prefill_tokens_per_s: float = 0.0
+    read_bandwidth: tuple[tuple[str, float], ...] = ()  # (tier, bytes/s)
+
+    @classmethod
+    def of(cls, block_bytes: int = 0, prefill_tokens_per_s: float = 0.0,
+           read_bandwidth: Mapping[str, float] | None = None) -> KVFetchCosts:
+        return cls(int(block_bytes), float(prefill_tokens_per_s),
+                   tuple(sorted((str(t), float(b)) for t, b in (read_bandwidth or {}).items() if b > 0)))
+
+    def fetch_seconds(self, tier: str) -> float | None:
+        """Seconds to read one block from `tier`, or None if not measured."""
+        bandwidth = dict(self.read_bandwidth).get(tier)
+        if not bandwidth or not self.block_bytes:
+            return None
+        return self.block_bytes / bandwidth
+
+    def to_json(self) -> str:
+        return json.dumps({"block_bytes": self.block_bytes, "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                           "read_bandwidth": dict(self.read_bandwidth)}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> KVFetchCosts:
+        data = json.loads(text) if text else {}
+        return cls.of(data.get("block_bytes", 0), data.get("prefill_tokens_per_s", 0.0), data.get("read_bandwidth"))
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaRecord:
     """What a replica publishes with each heartbeat (its KV blocks travel separately, as events)."""
 
@@ -63,6 +104,10 @@ class ReplicaRecord:
     block_size: int = 16
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     adapters: frozenset[str] = frozenset()  # LoRA adapters resident in its engine
+    kv_costs: KVFetchCosts = field(default_factory=KVFetchCosts)
+    # The shared KV store (S3 bucket, prefix and model layout) it reads blocks from, "" for none: blocks any
+    # replica uploaded there are reusable by this one too.
+    shared_store: str = ""
 
     def __post_init__(self) -> None:
         if not self.replica_id or any(c in self.replica_id for c in " \n\x00"):
@@ -79,7 +124,23 @@ class ReplicaView:
 
     record: ReplicaRecord
     num_in_flight: int      # requests gateways have reserved on it (re-read atomically when reserving)
-    num_cached_blocks: int  # leading blocks of the request's hash chain this replica holds
+    num_cached_blocks: int  # leading blocks of the request's hash chain this replica can reuse, from any tier
+    # The tier rank (index in KV_TIERS) each of those blocks is reused from; empty means all from the device.
+    cached_tiers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.cached_tiers:
+            object.__setattr__(self, "cached_tiers", (DEVICE,) * self.num_cached_blocks)
+        elif len(self.cached_tiers) != self.num_cached_blocks:
+            raise ValueError(f"cached_tiers has {len(self.cached_tiers)} entries for {self.num_cached_blocks} blocks")
+
+    @property
+    def num_device_blocks(self) -> int:
+        """Leading blocks already in device memory (the rest of the cached run must be fetched into new blocks)."""
+        for i, rank in enumerate(self.cached_tiers):
+            if rank != DEVICE:
+                return i
+        return self.num_cached_blocks
 
     @property
     def replica_id(self) -> str:

@@ -6,7 +6,8 @@ Keys, under a namespace (default "ember:rt:"):
                                    next heartbeat creates a new one and every publisher resyncs
     m:MODEL:leases         zset    replica id -> lease deadline (server time, ms)
     r:ID                   hash    the replica's record: model, url, state, load, adapters, incarnation
-    r:ID:blocks            set     its KV block hashes (16 raw bytes each)
+    r:ID:blocks            hash    its KV block hashes (16 raw bytes each) -> tier rank (0 device, 1 CPU, 2 disk)
+    s:STORE                set     the block hashes in a shared store (S3) that replicas name in `shared_store`
     r:ID:held              zset    reservation token -> deadline: the in-flight count is its size
     deployments            hash    model -> deployment state
 
@@ -23,13 +24,15 @@ import json
 import logging
 import uuid
 from collections.abc import Collection, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ember_platform.routing.records import (
+    SHARED,
     Balance,
     Candidate,
     DeploymentState,
     HeartbeatResult,
+    KVFetchCosts,
     NoReadyReplica,
     ReplicaLoad,
     ReplicaRecord,
@@ -39,13 +42,20 @@ from ember_platform.routing.records import (
     Reservation,
     TablesUnavailable,
 )
-from ember_platform.routing.tables import DEFAULT_HOLD_S, RoutingTables
+from ember_platform.routing.tables import (
+    DEFAULT_HOLD_S,
+    SHARED_TTL_S,
+    BlockTiers,
+    RoutingTables,
+    as_tiers,
+)
 
 if TYPE_CHECKING:
     import redis
 
 log = logging.getLogger("ember.routing")
 
+T = TypeVar("T")
 DEFAULT_NAMESPACE = "ember:rt:"
 _CHUNK = 4000  # members per SADD/SREM/SMISMEMBER: below Lua's unpack() limit, and no giant commands
 
@@ -76,8 +86,9 @@ redis.call('ZADD', ns .. 'm:' .. model .. ':leases', now + ttl, id)
 return {epoch, resync}
 """
 
-# ARGV: ns, model, then the request's block hashes. Returns {id, in_flight, cached_blocks, {hash fields}} per
-# live replica; reaps the lapsed ones on the way.
+# ARGV: ns, model, then the request's block hashes. Returns {id, in_flight, tier ranks, {hash fields}} per live
+# replica, the ranks as a string of digits, one per block of the leading run it can reuse (tables.leading_tiers is
+# the reference); reaps the lapsed replicas on the way.
 _SNAPSHOT = _NOW + """
 local ns, model = ARGV[1], ARGV[2]
 local lkey = ns .. 'm:' .. model .. ':leases'
@@ -88,18 +99,40 @@ for _, id in ipairs(dead) do
 end
 if #dead > 0 then redis.call('ZREMRANGEBYSCORE', lkey, '-inf', now) end
 
-local function leading_hits(key)
-  local count, i = 0, 3
+local function members(key)  -- 1/0 per request hash: is it in the set at key?
+  local out, i = {}, 3
   while i <= #ARGV do
     local j = math.min(i + CHUNK - 1, #ARGV)
-    local hits = redis.call('SMISMEMBER', key, unpack(ARGV, i, j))
-    for k = 1, #hits do
-      if hits[k] ~= 1 then return count end  -- hashes chain: only the leading run of hits is reusable
-      count = count + 1
+    for _, hit in ipairs(redis.call('SMISMEMBER', key, unpack(ARGV, i, j))) do out[#out + 1] = hit end
+    i = j + 1
+  end
+  return out
+end
+
+local shared_cache = {}
+local function leading_tiers(key, store)
+  local shared = nil
+  if store and store ~= '' then
+    shared = shared_cache[store]
+    if shared == nil then
+      shared = members(ns .. 's:' .. store)
+      shared_cache[store] = shared
+    end
+  end
+  local ranks, i = {}, 3
+  while i <= #ARGV do
+    local j = math.min(i + CHUNK - 1, #ARGV)
+    local own = redis.call('HMGET', key, unpack(ARGV, i, j))
+    for k = 1, #own do
+      local rank = own[k]
+      if not rank then
+        if shared and shared[i - 3 + k] == 1 then rank = 'SHARED' else return table.concat(ranks) end
+      end
+      ranks[#ranks + 1] = rank  -- hashes chain: only the leading run is reusable
     end
     i = j + 1
   end
-  return count
+  return table.concat(ranks)
 end
 
 local out = {}
@@ -107,12 +140,13 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', lkey, '(' .. now, '+inf')) do
   local rkey = ns .. 'r:' .. id
   local fields = redis.call('HGETALL', rkey)
   if #fields > 0 then
+    local store = redis.call('HGET', rkey, 'shared_store')
     redis.call('ZREMRANGEBYSCORE', rkey .. ':held', '-inf', now)
-    out[#out + 1] = {id, redis.call('ZCARD', rkey .. ':held'), leading_hits(rkey .. ':blocks'), fields}
+    out[#out + 1] = {id, redis.call('ZCARD', rkey .. ':held'), leading_tiers(rkey .. ':blocks', store), fields}
   end
 end
 return out
-""".replace("CHUNK", str(_CHUNK))
+""".replace("CHUNK", str(_CHUNK)).replace("SHARED", str(SHARED))
 
 # ARGV: ns, model, token, hold ms, abs threshold, rel threshold, then (id, cost, per_request, per_queued) per
 # candidate. The same rule as tables.pick(), which is its reference. Returns {'ok', id, in_flight, cost, url},
@@ -194,33 +228,45 @@ class RedisTables(RoutingTables):
             "block_size", record.block_size, "running", load.num_running, "waiting", load.num_waiting,
             "free_blocks", load.num_free_blocks, "total_blocks", load.num_total_blocks,
             "max_num_seqs", load.max_num_seqs, "capacity", load.capacity,
-            "adapters", json.dumps(sorted(record.adapters)),
+            "adapters", json.dumps(sorted(record.adapters)), "kv_costs", record.kv_costs.to_json(),
+            "shared_store", record.shared_store,
         ]
         with self._errors():
             new_epoch, resync = self._heartbeat(args=[self.ns, record.model, record.replica_id, incarnation,
                                                       epoch or "", _ms(ttl_s), uuid.uuid4().hex, *fields])
         return HeartbeatResult(new_epoch.decode(), bool(resync))
 
-    def update_blocks(self, replica_id: str, stored: Collection[bytes], removed: Collection[bytes], *,
+    def update_blocks(self, replica_id: str, stored: BlockTiers, removed: Collection[bytes], *,
                       ttl_s: float) -> None:
         key = self._key(replica_id, "blocks")
+        with self._errors():
+            pipe = self.client.pipeline(transaction=True)
+            for chunk in _chunks(as_tiers(stored).items()):
+                pipe.hset(key, mapping=dict(chunk))
+            for chunk in _chunks(removed):
+                pipe.hdel(key, *chunk)
+            pipe.pexpire(key, _ms(ttl_s))  # events that outrun a lapsed lease must not leave a set forever
+            pipe.execute()
+
+    def replace_blocks(self, replica_id: str, hashes: BlockTiers, *, ttl_s: float) -> None:
+        key = self._key(replica_id, "blocks")
+        with self._errors():
+            pipe = self.client.pipeline(transaction=True)  # readers see the old set or the new one, never half
+            pipe.delete(key)
+            for chunk in _chunks(as_tiers(hashes).items()):
+                pipe.hset(key, mapping=dict(chunk))
+            pipe.pexpire(key, _ms(ttl_s))
+            pipe.execute()
+
+    def update_shared(self, store: str, stored: Collection[bytes], removed: Collection[bytes]) -> None:
+        key = f"{self.ns}s:{store}"
         with self._errors():
             pipe = self.client.pipeline(transaction=True)
             for chunk in _chunks(stored):
                 pipe.sadd(key, *chunk)
             for chunk in _chunks(removed):
                 pipe.srem(key, *chunk)
-            pipe.pexpire(key, _ms(ttl_s))  # events that outrun a lapsed lease must not leave a set forever
-            pipe.execute()
-
-    def replace_blocks(self, replica_id: str, hashes: Collection[bytes], *, ttl_s: float) -> None:
-        key = self._key(replica_id, "blocks")
-        with self._errors():
-            pipe = self.client.pipeline(transaction=True)  # readers see the old set or the new one, never half
-            pipe.delete(key)
-            for chunk in _chunks(hashes):
-                pipe.sadd(key, *chunk)
-            pipe.pexpire(key, _ms(ttl_s))
+            pipe.pexpire(key, _ms(SHARED_TTL_S))
             pipe.execute()
 
     def remove_replica(self, model: str, replica_id: str) -> None:
@@ -246,8 +292,10 @@ class RedisTables(RoutingTables):
     def snapshot(self, model: str, block_hashes: Sequence[bytes] = ()) -> list[ReplicaView]:
         with self._errors():
             rows = self._snapshot(args=[self.ns, model, *block_hashes])
-        views = [ReplicaView(_record(model, replica_id.decode(), fields), int(in_flight), int(cached))
-                 for replica_id, in_flight, cached, fields in rows]
+        views = []
+        for replica_id, in_flight, ranks, fields in rows:
+            tiers = tuple(int(r) for r in ranks.decode())
+            views.append(ReplicaView(_record(model, replica_id.decode(), fields), int(in_flight), len(tiers), tiers))
         return sorted(views, key=lambda v: v.replica_id)
 
     def reserve(self, model: str, candidates: Sequence[Candidate], *, balance: Balance,
@@ -275,9 +323,13 @@ class RedisTables(RoutingTables):
             log.warning("reservation %s on replica %s not released (%s); it lapses on its own",
                         reservation.token, reservation.replica_id, e)
 
-    def blocks(self, replica_id: str) -> set[bytes]:
+    def block_tiers(self, replica_id: str) -> dict[bytes, int]:
         with self._errors():
-            return set(self.client.smembers(self._key(replica_id, "blocks")))
+            return {h: int(r) for h, r in self.client.hgetall(self._key(replica_id, "blocks")).items()}
+
+    def shared_blocks(self, store: str) -> set[bytes]:
+        with self._errors():
+            return set(self.client.smembers(f"{self.ns}s:{store}"))
 
     def close(self) -> None:
         self.client.close()
@@ -303,10 +355,11 @@ def _record(model: str, replica_id: str, flat: list[bytes]) -> ReplicaRecord:
                        num_free_blocks=int(f["free_blocks"]), num_total_blocks=int(f["total_blocks"]),
                        max_num_seqs=int(f["max_num_seqs"]), capacity=int(f["capacity"]))
     return ReplicaRecord(replica_id, model, f["url"], version=f["version"], state=ReplicaState(f["state"]),
-                         block_size=int(f["block_size"]), load=load, adapters=frozenset(json.loads(f["adapters"])))
+                         block_size=int(f["block_size"]), load=load, adapters=frozenset(json.loads(f["adapters"])),
+                         kv_costs=KVFetchCosts.from_json(f.get("kv_costs", "")), shared_store=f.get("shared_store", ""))
 
 
-def _chunks(items: Collection[bytes]) -> Iterator[list[bytes]]:
+def _chunks(items: Collection[T]) -> Iterator[list[T]]:
     batch = list(items)
     for i in range(0, len(batch), _CHUNK):
         yield batch[i:i + _CHUNK]

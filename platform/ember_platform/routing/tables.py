@@ -8,10 +8,13 @@ lease (renewed by every heartbeat) has not lapsed; a lapsed one is dropped by th
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from ember_platform.routing.records import (
+    DEVICE,
+    KV_TIERS,
+    SHARED,
     Balance,
     Candidate,
     DeploymentState,
@@ -23,6 +26,20 @@ from ember_platform.routing.records import (
 )
 
 DEFAULT_HOLD_S = 600.0  # a reservation whose holder died frees itself after this long (a request's timeout)
+SHARED_TTL_S = 24 * 3600.0  # a shared store's block set outlives any replica, but not a day without news
+
+# Block hashes with the rank (index in KV_TIERS) of the fastest tier holding each, or plain hashes: on the device.
+BlockTiers = Mapping[bytes, int] | Collection[bytes]
+
+
+def as_tiers(blocks: BlockTiers) -> dict[bytes, int]:
+    """{hash: tier rank} from either form of BlockTiers; ranks are checked, since routing trusts them."""
+    if not isinstance(blocks, Mapping):
+        return dict.fromkeys(blocks, DEVICE)
+    for rank in blocks.values():
+        if not 0 <= rank < len(KV_TIERS):
+            raise ValueError(f"tier rank must be in [0, {len(KV_TIERS)}) (one of {KV_TIERS}), got {rank}")
+    return dict(blocks)
 
 
 class RoutingTables(ABC):
@@ -42,13 +59,22 @@ class RoutingTables(ABC):
         """
 
     @abstractmethod
-    def update_blocks(self, replica_id: str, stored: Collection[bytes], removed: Collection[bytes], *,
+    def update_blocks(self, replica_id: str, stored: BlockTiers, removed: Collection[bytes], *,
                       ttl_s: float) -> None:
-        """Apply a batch of KV events: block hashes that entered and left the replica's prefix cache."""
+        """Apply a batch of KV events: block hashes the replica now holds (with the rank of the fastest of its own
+        tiers that holds each; a hash already present takes the new rank) and ones it no longer holds at all."""
 
     @abstractmethod
-    def replace_blocks(self, replica_id: str, hashes: Collection[bytes], *, ttl_s: float) -> None:
+    def replace_blocks(self, replica_id: str, hashes: BlockTiers, *, ttl_s: float) -> None:
         """Replace the replica's whole block set at once (the resync)."""
+
+    @abstractmethod
+    def update_shared(self, store: str, stored: Collection[bytes], removed: Collection[bytes]) -> None:
+        """Blocks that entered and left a shared store (S3), named as replicas name it in `shared_store`.
+
+        Not leased to a replica: the blocks stay in the store when their writer dies. The set expires a day after
+        its last change, and a Redis restart empties it until the replicas' resyncs refill it.
+        """
 
     @abstractmethod
     def remove_replica(self, model: str, replica_id: str) -> None:
@@ -74,7 +100,8 @@ class RoutingTables(ABC):
 
     @abstractmethod
     def snapshot(self, model: str, block_hashes: Sequence[bytes] = ()) -> list[ReplicaView]:
-        """The model's live replicas (any state), each with how many leading blocks of `block_hashes` it holds.
+        """The model's live replicas (any state), each with the leading run of `block_hashes` it can reuse and the
+        tier each of those blocks would come from: its own fastest, else its shared store's.
 
         Sorted by replica id, so that both backends break ties the same way.
         """
@@ -88,11 +115,34 @@ class RoutingTables(ABC):
         """
 
     @abstractmethod
+    def block_tiers(self, replica_id: str) -> dict[bytes, int]:
+        """The replica's blocks with their tier ranks as stored (for inspection and tests; routers use `snapshot`)."""
+
     def blocks(self, replica_id: str) -> set[bytes]:
-        """The replica's block set as stored (for inspection and tests; routers use `snapshot`)."""
+        """The replica's block hashes, whatever tier holds them."""
+        return set(self.block_tiers(replica_id))
+
+    @abstractmethod
+    def shared_blocks(self, store: str) -> set[bytes]:
+        """A shared store's blocks as stored."""
 
     def close(self) -> None:  # noqa: B027 - optional for backends without connections
         """Release connections; the tables' contents stay."""
+
+
+def leading_tiers(block_hashes: Sequence[bytes], own: Mapping[bytes, int],
+                  shared: Collection[bytes]) -> tuple[int, ...]:
+    """The tier rank of each block in the leading run of `block_hashes` that a replica can reuse: from its own
+    tiers (`own`), else from its shared store. Hashes chain, so the run ends at the first block it lacks."""
+    ranks = []
+    for h in block_hashes:
+        rank = own.get(h)
+        if rank is None:
+            if h not in shared:
+                break
+            rank = SHARED
+        ranks.append(rank)
+    return tuple(ranks)
 
 
 # --- the selection rule ---------------------------------------------------------------------------
