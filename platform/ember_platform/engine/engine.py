@@ -295,6 +295,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         outputs.extend(self._finish_output(req, []) for req in batch.refused)
         if not batch.requests:
+            if self.scheduler.num_loading and self.kv_tiers is not None:
+                self.kv_tiers.wait_staged(0.01)  # only prefixes being read from a tier remain: wait, don't spin
             return outputs
         t0 = time.perf_counter()
         result = self.runner.execute(batch)
@@ -487,6 +489,7 @@ class LLMEngine:
         return {
             "num_waiting": self.scheduler.num_waiting,
             "num_running": self.scheduler.num_running,
+            "num_waiting_for_kv": self.scheduler.num_loading,  # their prefix is being read from a lower tier
             "kv_blocks_total": self.kv.num_blocks,
             "kv_blocks_free": self.kv.num_free_blocks,
             "prefix_cache_hit_rate": self.kv.prefix_hit_rate,

@@ -12,7 +12,9 @@ consumes them (`drain_events`).
 With KV tiers below the device (a `KVTierConnector`, kvtiers.KVTierStore), each newly cached
 block is also handed to the tiers (write-through), and a prefix that misses on the device is
 looked up there: the blocks found are loaded into freshly allocated device blocks and registered
-in the prefix cache, so the scheduler sees them as ordinary hits (computed, cached tokens).
+in the prefix cache, so the scheduler sees them as ordinary hits (computed, cached tokens). When
+the rest of a prefix must come from disk or S3, the tiers read it in the background first and
+the request waits for it on the queue (`get_computed_blocks` returns None), not the step loop.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ class KVTierConnector(Protocol):
 
     def save(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
         """Newly computed blocks were registered under these hashes: copy them down (must not block on I/O)."""
+        ...
+
+    def stage(self, block_hashes: Sequence[BlockHash]) -> bool:
+        """Whether `fetch` may run now without waiting on slow I/O; False while a background read of the run
+        is under way (the request waits, the step loop does not)."""
         ...
 
     def fetch(self, block_hashes: Sequence[BlockHash]) -> Sequence[object]:
@@ -163,8 +170,9 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
-        """Cached blocks matching the start of `req`'s tokens, and how many tokens they hold.
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int] | None:
+        """Cached blocks matching the start of `req`'s tokens, and how many tokens they hold; None while the
+        tiers read the rest of its prefix in the background (schedule it on a later step).
 
         Never the whole sequence: its last token must be computed to produce logits.
         """
@@ -181,7 +189,10 @@ class KVCacheManager:
         # LoRA requests stay on the device: their hashes name an adapter, not its weights, and a shared tier
         # could hold another deployment's adapter under the same name.
         if self.tiers is not None and len(hits) < max_blocks and req.lora_name is None:
-            hits += self._load_from_tiers(req.block_hashes[len(hits):max_blocks], hits)
+            rest = req.block_hashes[len(hits):max_blocks]
+            if not self.tiers.stage(rest):
+                return None
+            hits += self._load_from_tiers(rest, hits)
         return hits, len(hits) * self.block_size
 
     def load_prefix(self, block_hashes: Sequence[BlockHash]) -> int:

@@ -67,6 +67,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
+        self.num_loading = 0  # waiting requests the last step skipped while their prefix was read from a tier
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
 
@@ -133,12 +134,17 @@ class Scheduler:
             return batch  # blocks are short: admit nobody new this step
         in_use = {r.lora_name for r in self.running if r.lora_name}
         lora_blocked: list[Request] = []  # skipped for want of an adapter slot, in queue order
+        loading: list[Request] = []  # skipped while their prefix is read from a lower KV tier
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.lora_name is not None and self.lora is not None \
                     and not self._acquire_lora(req, in_use, lora_blocked, batch):
                 continue
-            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            computed = self.kv.get_computed_blocks(req)
+            if computed is None:
+                loading.append(self.waiting.popleft())
+                continue
+            hits, num_hit_tokens = computed
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(req, num_new, hits):
                 if not self.running and self.kv.blocks_needed(req.num_tokens) > self.kv.num_blocks:
@@ -159,7 +165,9 @@ class Scheduler:
             budget -= num_new
             if req.lora_name is not None:
                 in_use.add(req.lora_name)
-        self.waiting.extendleft(reversed(lora_blocked))
+        # Back to the front, in arrival order: first come, first served once their adapter or prefix is there.
+        self.waiting.extendleft(sorted(lora_blocked + loading, key=lambda r: r.arrival, reverse=True))
+        self.num_loading = len(loading)
         return batch
 
     def _acquire_lora(self, req: Request, in_use: set[str], lora_blocked: list[Request],

@@ -27,6 +27,9 @@ class KVTierConfig:
     s3_breaker_failures: int = 3  # consecutive failures that open the circuit breaker ...
     s3_breaker_cooldown_s: float = 30.0  # ... which skips S3 this long before one probe request
     s3_fetch_threads: int = 8  # parallel GETs for one prefix's blocks
+    # Read disk and S3 blocks in the background into the CPU tier while the step loop keeps running other
+    # requests; the request waits for them, not the whole batch. Needs the CPU tier (else reads are inline).
+    async_loads: bool = True
     hot_publish_s: float = 60.0  # how often this replica uploads its hottest prefixes (for seeding others)
     max_pending_writes: int = 256  # blocks queued per lower tier; more are dropped (and counted)
     model_id: str | None = None  # the model's identity in stored blocks; default: a digest of its weights

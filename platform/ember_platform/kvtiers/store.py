@@ -6,9 +6,13 @@ so evicting a block from the device later costs nothing. A prefix that misses on
 tier, block by block from its first missing block (CPU, then disk, then S3 for the rest in parallel); what is
 found is loaded into fresh device blocks instead of being recomputed, and promoted into the upper tiers.
 
-Thread model: `save`, `fetch`, `load` and `note_prefix` run on the engine's thread (the KV cache manager calls
-them); the writers run on their own threads; membership listeners are called from whichever thread changed a
-tier (engine thread for CPU, writer threads for disk and S3).
+Reads from disk and S3 take milliseconds to seconds, so with a CPU tier they happen in the background: `stage`
+starts reading a request's missing run into the CPU tier on a stager thread and says "not yet"; the scheduler
+leaves that request waiting and runs the others, and once the run is staged, `fetch` finds it in host RAM.
+
+Thread model: `save`, `stage`, `fetch`, `load` and `note_prefix` run on the engine's thread (the KV cache manager
+calls them); the writers and the stager run on their own threads; membership listeners are called from whichever
+thread changed a tier (engine thread or stager for CPU, writer threads for disk and S3).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,7 +96,10 @@ class KVTierStore:
         self._hot_published: list[tuple[list[BlockHash], int]] | None = None
         self._s3_misses: OrderedDict[BlockHash, float] = OrderedDict()
         self._counter_lock = threading.Lock()
+        self._s3_miss_lock = threading.Lock()  # the stager notes misses too
         self._read_seconds: Counter[str] = Counter()
+        self._staging: dict[BlockHash, Future[int]] = {}  # first hash of a run being staged -> its read
+        self._staged = threading.Event()  # set whenever a staged read ends: wakes an idle step loop
 
         block_bytes = layout.block_bytes
         self.cpu = (CpuTier(layout, max(1, int(config.cpu_gb * 2**30) // block_bytes), self.dtype,
@@ -113,7 +121,10 @@ class KVTierStore:
         if self.s3 is not None:
             self.writers["s3"] = AsyncWriter("s3", _weak(self._write_s3), max_pending=config.max_pending_writes,
                                              idle=_weak(self._publish_hot_if_changed), idle_s=config.hot_publish_s)
-        self._finalizer = weakref.finalize(self, _close_writers, list(self.writers.values()), self.s3, 1.0, True)
+        self._stager = (ThreadPoolExecutor(2, thread_name_prefix="ember-kv-stage")
+                        if config.async_loads and self.cpu is not None and (self.disk or self.s3) else None)
+        self._finalizer = weakref.finalize(self, _close_writers, list(self.writers.values()), self.s3, 1.0, True,
+                                           self._stager)
         log.info("KV tiers: %s; model %s, %d-byte blocks, namespace %s", self.describe(), layout.model,
                  block_bytes, layout.namespace)
 
@@ -159,8 +170,9 @@ class KVTierStore:
             picked = torch.tensor(have_slot, dtype=torch.long)
             self.cpu.buffer[torch.tensor([slots[i] for i in have_slot], dtype=torch.long)] = host[picked]
         self._count("saved_blocks", len(todo))
-        for h in hashes:  # on its way to S3 now: a miss remembered from before must not hide it
-            self._s3_misses.pop(h, None)
+        with self._s3_miss_lock:
+            for h in hashes:  # on its way to S3 now: a miss remembered from before must not hide it
+                self._s3_misses.pop(h, None)
         for i, h in enumerate(hashes):
             slot = slots[i]
             data = self.cpu.buffer[slot] if self.cpu is not None and slot is not None else host[i]
@@ -168,6 +180,41 @@ class KVTierStore:
                 self._submit(writer, h, data, slot)
             if slot is not None:
                 self.cpu.unpin([slot])  # type: ignore[union-attr]
+
+    def stage(self, block_hashes: Sequence[BlockHash]) -> bool:
+        """Whether `fetch(block_hashes)` may run now without waiting on disk or S3. If not, a background read of
+        the run into the CPU tier is under way (started now or before); ask again on a later step."""
+        if self._stager is None:
+            return True  # no CPU tier to stage into, or inline reads asked for: fetch reads them itself
+        first_missing = next((h for h in block_hashes if h not in self.cpu), None)  # type: ignore[operator]
+        if first_missing is None:
+            return True
+        pending = self._staging.get(first_missing)
+        if pending is not None:
+            if not pending.done():
+                return False
+            del self._staging[first_missing]  # read: what it found is in the CPU tier, misses are remembered
+            return True
+        in_disk = self.disk is not None and first_missing in self.disk
+        may_be_in_s3 = self.s3 is not None and not self._recent_s3_miss(first_missing)
+        if not (in_disk or may_be_in_s3):
+            return True  # nothing below the CPU tier can have it: recompute from here, no waiting
+        run = list(block_hashes[list(block_hashes).index(first_missing):])
+        future = self._stager.submit(self.prefetch, run)
+        future.add_done_callback(lambda _: self._staged.set())
+        self._staging[first_missing] = future
+        self._count("staged_reads")
+        return False
+
+    def wait_staged(self, timeout: float) -> None:
+        """Block up to `timeout` seconds until a background read ends (the step loop has nothing else to do)."""
+        if any(not f.done() for f in self._staging.values()):
+            self._staged.wait(timeout)
+        self._staged.clear()
+
+    @property
+    def staging(self) -> bool:
+        return any(not f.done() for f in self._staging.values())
 
     def fetch(self, block_hashes: Sequence[BlockHash]) -> list[FetchedBlock]:
         """The longest leading run of `block_hashes` found in the tiers, each pinned on the host until `load`.
@@ -390,14 +437,16 @@ class KVTierStore:
             self.disk.discard(block_hash)
 
     def _recent_s3_miss(self, block_hash: BlockHash) -> bool:
-        seen = self._s3_misses.get(block_hash)
+        with self._s3_miss_lock:
+            seen = self._s3_misses.get(block_hash)
         return seen is not None and time.monotonic() - seen < _S3_MISS_TTL_S
 
     def _note_s3_miss(self, block_hash: BlockHash) -> None:
-        self._s3_misses[block_hash] = time.monotonic()
-        self._s3_misses.move_to_end(block_hash)
-        while len(self._s3_misses) > _S3_MISS_MEMORY:
-            self._s3_misses.popitem(last=False)
+        with self._s3_miss_lock:
+            self._s3_misses[block_hash] = time.monotonic()
+            self._s3_misses.move_to_end(block_hash)
+            while len(self._s3_misses) > _S3_MISS_MEMORY:
+                self._s3_misses.popitem(last=False)
 
     def _measure(self, tier: str, num_bytes: int, seconds: float) -> None:
         with self._counter_lock:
@@ -446,9 +495,9 @@ class KVTierStore:
         return all(writer.flush(timeout) for writer in self.writers.values())
 
     def close(self, timeout: float = 5.0) -> None:
-        """Write what is queued (up to `timeout` per tier) and stop the writer threads."""
+        """Write what is queued (up to `timeout` per tier) and stop the writer and stager threads."""
         self._finalizer.detach()
-        _close_writers(list(self.writers.values()), self.s3, timeout, False)
+        _close_writers(list(self.writers.values()), self.s3, timeout, False, self._stager)
 
 
 def _payload(data: torch.Tensor) -> memoryview:
@@ -466,7 +515,10 @@ def _weak(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def _close_writers(writers: list[AsyncWriter], s3: S3Tier | None, timeout: float, drop: bool) -> None:
+def _close_writers(writers: list[AsyncWriter], s3: S3Tier | None, timeout: float, drop: bool,
+                   stager: ThreadPoolExecutor | None = None) -> None:
+    if stager is not None:
+        stager.shutdown(wait=False, cancel_futures=True)  # a read still under way finds S3 closed and ends
     for writer in writers:
         writer.close(timeout, drop=drop)
     if s3 is not None:

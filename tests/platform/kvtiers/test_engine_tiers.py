@@ -142,6 +142,31 @@ def test_a_silent_s3_endpoint_costs_a_bounded_wait(reference, silent_endpoint) -
     llm.engine.kv_tiers.close(timeout=0)
 
 
+def test_requests_run_while_another_ones_prefix_is_read_from_a_slow_s3(reference, silent_endpoint) -> None:
+    """With a CPU tier, S3 is read in the background: a request whose prefix might be in S3 waits for the read
+    (here: to its 1 s timeout, then it recomputes); the others are scheduled meanwhile, not stalled behind it."""
+    llm = LLM(EXAMPLE, kv_tiers={"cpu_gb": 0.01, "s3_url": "s3://bucket/kv", "s3_endpoint_url": silent_endpoint,
+                                 "s3_timeout_s": 1.0, "s3_breaker_failures": 1, "s3_breaker_cooldown_s": 60})
+    engine = llm.engine
+    tiered, plain = SECOND, [7, 8, 9]  # `plain` has no full block: nothing to look up below the device
+    engine.add_request("tiered", tiered, GREEDY)
+    engine.add_request("plain", plain, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    outputs: dict[str, list[int]] = {"tiered": [], "plain": []}
+    plain_done_while_reading = None
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+            if out.request_id == "plain" and out.finished:
+                plain_done_while_reading = engine.scheduler.num_loading == 1 and not outputs["tiered"]
+        assert time.perf_counter() - t0 < 30
+    assert plain_done_while_reading, "the request without a tiered prefix waited for the S3 read"
+    assert outputs["tiered"] == reference[tuple(SECOND)]  # recomputed after the read timed out
+    stats = tier_stats(llm)
+    assert stats["staged_reads"] >= 1 and stats["s3_fallbacks"] >= 1
+    llm.engine.kv_tiers.close(timeout=0)
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_a_corrupt_block_is_dropped_and_recomputed(damage, reference, tmp_path) -> None:
     llm = LLM(EXAMPLE, num_kv_blocks=POOL, kv_tiers={"cpu_gb": 0, "disk_dir": str(tmp_path)})

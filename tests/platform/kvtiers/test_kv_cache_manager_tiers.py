@@ -28,11 +28,18 @@ class MemoryTiers:
         self.num_saved = self.num_loaded = 0
         self.fail_loads = False
         self.noted: list[list[BlockHash]] = []
+        self.slow_stages = 0  # the next this many `stage` calls answer "still reading in the background"
 
     def save(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
         for b, h in zip(block_ids, block_hashes, strict=True):
             self.blocks[h] = [self.device.get(b * BLOCK + i) for i in range(BLOCK)]
             self.num_saved += 1
+
+    def stage(self, block_hashes: Sequence[BlockHash]) -> bool:
+        if self.slow_stages and block_hashes[0] in self.blocks:
+            self.slow_stages -= 1
+            return False
+        return True
 
     def fetch(self, block_hashes: Sequence[BlockHash]) -> list[tuple[BlockHash, list]]:
         out = []
@@ -167,3 +174,27 @@ def test_prompts_are_noted_once_for_hot_prefixes() -> None:
     tiers = MemoryTiers(device)
     simulate([list(range(9))], num_blocks=8, tiers=tiers, device=device)  # 2 full blocks
     assert len(tiers.noted) == 1 and len(tiers.noted[0]) == 2
+
+
+def test_a_request_whose_prefix_is_being_read_waits_while_the_others_run() -> None:
+    device: dict[int, tuple[int, int]] = {}
+    tiers = MemoryTiers(device)
+    prompt = list(range(10, 23))  # 3 full blocks + 1 token, in the tier after this
+    simulate([prompt], num_blocks=8, tiers=tiers, device=device)
+    kv = KVCacheManager(16, BLOCK, tiers=tiers)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=4096)
+    early = Request("early", prompt, Params(), arrival=0)  # type: ignore[arg-type]
+    late = Request("late", list(range(500, 506)), Params(), arrival=1)  # type: ignore[arg-type]
+    sched.add(early)
+    sched.add(late)
+    tiers.slow_stages = 2  # early's prefix takes two steps to arrive from the tier
+
+    batch = sched.schedule()
+    assert batch.requests == [late] and sched.num_loading == 1  # the later request does not wait for it
+    assert list(sched.waiting) == [early] and early.num_computed_tokens == 0 and not early.block_ids
+    late.num_computed_tokens += batch.num_tokens[0]
+    assert sched.schedule().requests == [late] and sched.num_loading == 1
+    late.num_computed_tokens += 1
+    batch = sched.schedule()  # read: admitted with its three blocks as cache hits, nothing recomputed
+    assert batch.requests == [late, early] and batch.num_tokens[1] == 1 and sched.num_loading == 0
+    assert early.num_cached_tokens == 12 and tiers.num_loaded == 3
