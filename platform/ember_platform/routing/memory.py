@@ -42,6 +42,7 @@ class _Entry:
     deadline: float
     blocks: dict[bytes, int] = field(default_factory=dict)  # hash -> tier rank
     held: dict[str, float] = field(default_factory=dict)  # reservation token -> deadline
+    work: dict[str, float] = field(default_factory=dict)  # reservation token -> prompt tokens not yet prefilled
 
 
 class InProcessTables(RoutingTables):
@@ -136,7 +137,7 @@ class InProcessTables(RoutingTables):
                 if entry is None or entry.record.model != model or entry.record.state != ReplicaState.READY:
                     continue
                 slots.append(Slot(c, self._in_flight(entry, now), entry.record.load.capacity,
-                                  entry.record.load.max_num_seqs))
+                                  entry.record.load.max_num_seqs, sum(entry.work.values())))
                 entries.append(entry)
             if not slots:
                 raise NoReadyReplica(f"no ready replica of '{model}' in the routing tables")
@@ -145,14 +146,23 @@ class InProcessTables(RoutingTables):
                 raise ReplicasBusy(f"every ready replica of '{model}' is at capacity")
             entry, slot = entries[chosen], slots[chosen]
             entry.held[token] = now + hold_s
+            if slot.candidate.work > 0:
+                entry.work[token] = slot.candidate.work
             return Reservation(model, entry.record.replica_id, entry.record.url, token, slot.num_in_flight + 1,
-                               total_cost(slot), 0, _release=self._release)
+                               total_cost(slot), 0, _release=self._release, _prefilled=self._prefilled)
 
     def _release(self, reservation: Reservation) -> None:
         with self._lock:
             entry = self._replicas.get(reservation.replica_id)
             if entry is not None:
                 entry.held.pop(reservation.token, None)
+                entry.work.pop(reservation.token, None)
+
+    def _prefilled(self, reservation: Reservation) -> None:
+        with self._lock:
+            entry = self._replicas.get(reservation.replica_id)
+            if entry is not None:
+                entry.work.pop(reservation.token, None)
 
     def block_tiers(self, replica_id: str) -> dict[bytes, int]:
         with self._lock:
@@ -173,5 +183,6 @@ class InProcessTables(RoutingTables):
     def _in_flight(entry: _Entry, now: float) -> int:
         for token in [t for t, deadline in entry.held.items() if deadline <= now]:
             del entry.held[token]  # its holder died without releasing it
+            entry.work.pop(token, None)
         return len(entry.held)
 

@@ -153,16 +153,20 @@ class ReplicaView:
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """A replica offered to the atomic reservation, with its cost split into a fixed part and a load-linear part.
+    """A replica offered to the atomic reservation, with its cost split into a fixed part and load-linear parts.
 
-    The tables add `per_request * in_flight + per_queued * max(0, in_flight + 1 - max_num_seqs)` with the
-    in-flight count read at reservation time, so the load part of the cost is never stale.
+    The tables add `per_request * in_flight + per_queued * max(0, in_flight + 1 - max_num_seqs) + per_pending *
+    pending_prefill`, all read at reservation time, so the load part of the cost is never stale. `pending_prefill`
+    is the prompt tokens the replica has yet to prefill for requests already reserved on it (each counted until
+    its first token), and `work` is what this request would add to it there.
     """
 
     replica_id: str
     cost: float = 0.0
     per_request: float = 0.0
     per_queued: float = 0.0
+    per_pending: float = 0.0
+    work: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,12 +202,20 @@ class Reservation:
     cost: float
     num_cached_blocks: int
     _release: Callable[[Reservation], None] | None = field(default=None, repr=False)
+    _prefilled: Callable[[Reservation], None] | None = field(default=None, repr=False)
 
     def release(self) -> None:
         """Give the slot back; calling it again does nothing."""
+        self._prefilled = None  # releasing clears the pending prefill too
         release, self._release = self._release, None
         if release is not None:
             release(self)
+
+    def prefilled(self) -> None:
+        """The request's first token arrived: its prompt no longer delays others on the replica (idempotent)."""
+        prefilled, self._prefilled = self._prefilled, None
+        if prefilled is not None and self._release is not None:
+            prefilled(self)
 
     def __enter__(self) -> Reservation:
         return self

@@ -9,6 +9,7 @@ Keys, under a namespace (default "ember:rt:"):
     r:ID:blocks            hash    its KV block hashes (16 raw bytes each) -> tier rank (0 device, 1 CPU, 2 disk)
     s:STORE                set     the block hashes in a shared store (S3) that replicas name in `shared_store`
     r:ID:held              zset    reservation token -> deadline: the in-flight count is its size
+    r:ID:work              hash    reservation token -> its prompt tokens not yet prefilled (until its first token)
     deployments            hash    model -> deployment state
 
 Everything that must be consistent runs as one Lua script: the heartbeat, the snapshot (which also reaps
@@ -95,7 +96,7 @@ local lkey = ns .. 'm:' .. model .. ':leases'
 local dead = redis.call('ZRANGEBYSCORE', lkey, '-inf', now)
 for _, id in ipairs(dead) do
   local rkey = ns .. 'r:' .. id
-  redis.call('DEL', rkey, rkey .. ':blocks', rkey .. ':held')
+  redis.call('DEL', rkey, rkey .. ':blocks', rkey .. ':held', rkey .. ':work')
 end
 if #dead > 0 then redis.call('ZREMRANGEBYSCORE', lkey, '-inf', now) end
 
@@ -148,32 +149,39 @@ end
 return out
 """.replace("CHUNK", str(_CHUNK)).replace("SHARED", str(SHARED))
 
-# ARGV: ns, model, token, hold ms, abs threshold, rel threshold, then (id, cost, per_request, per_queued) per
-# candidate. The same rule as tables.pick(), which is its reference. Returns {'ok', id, in_flight, cost, url},
-# {'none'} or {'busy'}.
+# ARGV: ns, model, token, hold ms, abs threshold, rel threshold, then (id, cost, per_request, per_queued,
+# per_pending, work) per candidate. The same rule as tables.pick(), which is its reference. Returns
+# {'ok', id, in_flight, cost, url}, {'none'} or {'busy'}.
 _RESERVE = _NOW + """
 local ns, model, token = ARGV[1], ARGV[2], ARGV[3]
 local hold, abs, rel = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local lkey = ns .. 'm:' .. model .. ':leases'
 local rows, least = {}, nil
-for i = 7, #ARGV, 4 do
+for i = 7, #ARGV, 6 do
   local id = ARGV[i]
   local deadline = redis.call('ZSCORE', lkey, id)
   local rkey = ns .. 'r:' .. id
   if deadline and tonumber(deadline) > now then
     local f = redis.call('HMGET', rkey, 'state', 'capacity', 'max_num_seqs', 'url')
     if f[1] == 'ready' then
-      local held = rkey .. ':held'
+      local held, work = rkey .. ':held', rkey .. ':work'
       local mine = redis.call('ZSCORE', held, token)
       if mine then
         -- a retry of a call whose reply was lost: it already holds a slot here
         return {'ok', id, redis.call('ZCARD', held), '0', f[4]}
       end
-      redis.call('ZREMRANGEBYSCORE', held, '-inf', now)
+      local lapsed = redis.call('ZRANGEBYSCORE', held, '-inf', now)
+      if #lapsed > 0 then
+        redis.call('ZREMRANGEBYSCORE', held, '-inf', now)
+        redis.call('HDEL', work, unpack(lapsed))
+      end
+      local pending = 0
+      for _, w in ipairs(redis.call('HVALS', work)) do pending = pending + tonumber(w) end
       local load = redis.call('ZCARD', held)
-      rows[#rows + 1] = {id = id, url = f[4], held = held, load = load, cap = tonumber(f[2]),
+      rows[#rows + 1] = {id = id, url = f[4], held = held, work = work, load = load, cap = tonumber(f[2]),
                          seqs = tonumber(f[3]), cost = tonumber(ARGV[i + 1]), pr = tonumber(ARGV[i + 2]),
-                         pq = tonumber(ARGV[i + 3])}
+                         pq = tonumber(ARGV[i + 3]), pp = tonumber(ARGV[i + 4]), mywork = tonumber(ARGV[i + 5]),
+                         pending = pending}
       if least == nil or load < least then least = load end
     end
   end
@@ -182,7 +190,7 @@ if #rows == 0 then return {'none'} end
 local best, best_cost = nil, 0
 for _, r in ipairs(rows) do
   if r.load < r.cap and not (r.load - least > abs and r.load > rel * least) then
-    local cost = r.cost + r.pr * r.load + r.pq * math.max(0, r.load + 1 - r.seqs)
+    local cost = r.cost + r.pr * r.load + r.pq * math.max(0, r.load + 1 - r.seqs) + r.pp * r.pending
     if best == nil or cost < best_cost or (cost == best_cost and r.load < best.load) then
       best, best_cost = r, cost
     end
@@ -191,6 +199,10 @@ end
 if best == nil then return {'busy'} end
 redis.call('ZADD', best.held, now + hold, token)
 if redis.call('PTTL', best.held) < hold then redis.call('PEXPIRE', best.held, hold) end
+if best.mywork > 0 then
+  redis.call('HSET', best.work, token, string.format('%.17g', best.mywork))
+  if redis.call('PTTL', best.work) < hold then redis.call('PEXPIRE', best.work, hold) end
+end
 return {'ok', best.id, best.load + 1, string.format('%.17g', best_cost), best.url}
 """
 
@@ -273,7 +285,8 @@ class RedisTables(RoutingTables):
         with self._errors():
             pipe = self.client.pipeline(transaction=True)
             pipe.zrem(f"{self.ns}m:{model}:leases", replica_id)
-            pipe.delete(self._key(replica_id), self._key(replica_id, "blocks"), self._key(replica_id, "held"))
+            pipe.delete(self._key(replica_id), self._key(replica_id, "blocks"), self._key(replica_id, "held"),
+                        self._key(replica_id, "work"))
             pipe.execute()
 
     # --- deployments ----------------------------------------------------------------------------
@@ -303,7 +316,8 @@ class RedisTables(RoutingTables):
         token = token or uuid.uuid4().hex
         args: list[Any] = [self.ns, model, token, _ms(hold_s), balance.abs_threshold, repr(balance.rel_threshold)]
         for c in candidates:
-            args += [c.replica_id, repr(float(c.cost)), repr(float(c.per_request)), repr(float(c.per_queued))]
+            args += [c.replica_id, repr(float(c.cost)), repr(float(c.per_request)), repr(float(c.per_queued)),
+                     repr(float(c.per_pending)), repr(float(c.work))]
         with self._errors():
             reply = self._reserve(args=args)
         status = reply[0].decode()
@@ -312,12 +326,23 @@ class RedisTables(RoutingTables):
         if status == "busy":
             raise ReplicasBusy(f"every ready replica of '{model}' is at capacity")
         return Reservation(model, reply[1].decode(), reply[4].decode(), token, int(reply[2]), float(reply[3]), 0,
-                           _release=self._release)
+                           _release=self._release, _prefilled=self._prefilled)
+
+    def _prefilled(self, reservation: Reservation) -> None:
+        try:
+            with self._errors():
+                self.client.hdel(self._key(reservation.replica_id, "work"), reservation.token)
+        except TablesUnavailable as e:  # best effort: the entry goes with the reservation's release or deadline
+            log.warning("reservation %s on replica %s: prefill not recorded as done (%s)", reservation.token,
+                        reservation.replica_id, e)
 
     def _release(self, reservation: Reservation) -> None:
         try:
             with self._errors():
-                self.client.zrem(self._key(reservation.replica_id, "held"), reservation.token)
+                pipe = self.client.pipeline(transaction=True)
+                pipe.zrem(self._key(reservation.replica_id, "held"), reservation.token)
+                pipe.hdel(self._key(reservation.replica_id, "work"), reservation.token)
+                pipe.execute()
         except TablesUnavailable as e:
             # Best effort by design: the request is over either way, and the slot frees itself at its deadline.
             log.warning("reservation %s on replica %s not released (%s); it lapses on its own",

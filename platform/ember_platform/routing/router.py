@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,6 +32,12 @@ def request_block_hashes(token_ids: Sequence[int], block_size: int, *, lora: str
                          salt: str | None = None) -> tuple[bytes, ...]:
     """A prompt's full-block hashes exactly as the engine computes them (adapter and cache salt included)."""
     return tuple(hash_blocks(token_ids, block_size, extra_keys(lora, salt)))
+
+
+def uncached_tokens(request: RouteRequest, view: ReplicaView) -> int:
+    """The prompt tokens `view`'s replica would prefill for `request`: its pending work there until the first token."""
+    block_size = view.record.block_size
+    return max(0, request.prompt_tokens(block_size) - view.num_cached_blocks * block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +93,7 @@ class Router:
                  if v.record.state == ReplicaState.READY and (allowed is None or v.replica_id in allowed)]
         if not views:
             raise NoReadyReplica(f"no ready replica of '{model}' in the routing tables")
-        rated = [r for r in self.rate(request, views)  # an infinite (or nan) cost rules a replica out
-                 if all(math.isfinite(x) for x in (r.score.cost, r.score.per_request, r.score.per_queued))]
+        rated = [r for r in self.rate(request, views) if r.score.finite]  # inf (or nan) rules a replica out
         if not rated:
             raise NoReadyReplica(f"no ready replica of '{model}' can serve this request"
                                  + (f" (adapter '{lora}')" if lora else ""))
@@ -98,7 +102,8 @@ class Router:
         # cache while another's stays empty.
         shift = next(self._turns) % len(rated)
         rated = rated[shift:] + rated[:shift]
-        candidates = [Candidate(r.view.replica_id, r.score.cost, r.score.per_request, r.score.per_queued)
+        candidates = [Candidate(r.view.replica_id, r.score.cost, r.score.per_request, r.score.per_queued,
+                                r.score.per_pending, work=float(uncached_tokens(request, r.view)))
                       for r in rated]
         reservation = self.tables.reserve(model, candidates, balance=self.balance,
                                           hold_s=self.hold_s if hold_s is None else hold_s)

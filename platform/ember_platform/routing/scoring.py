@@ -3,8 +3,9 @@
 A scorer rates every ready replica for one request as a *cost* (lower is better; `math.inf` rules a replica
 out). Costs add up across scorers after weighting, so they share one unit: tokens of work, roughly what the
 replica must compute before this request's first token. The load-dependent part of a cost is given as rates
-(`per_request`, `per_queued`) that the tables multiply by the in-flight count they read while reserving, so the
-load that decides is never a stale snapshot. Scorers come from plugins through `ember_routing_scorers`.
+(`per_request`, `per_queued`, `per_pending`) that the tables multiply by the in-flight count and the pending
+prefill tokens they read while reserving, so the load that decides is never a stale snapshot. Scorers come from
+plugins through `ember_routing_scorers`.
 """
 
 from __future__ import annotations
@@ -42,19 +43,27 @@ class RouteRequest:
 
 @dataclass(frozen=True, slots=True)
 class Score:
-    """One replica's cost for one request: a fixed part and rates per in-flight / queued request."""
+    """One replica's cost for one request: a fixed part and rates per in-flight request, per queued request and
+    per prompt token the replica has yet to prefill for requests already routed to it."""
 
     cost: float = 0.0
     per_request: float = 0.0
     per_queued: float = 0.0
+    per_pending: float = 0.0
 
     def weighted(self, weight: float) -> Score:
         if math.isinf(self.cost):
             return self  # ruled out whatever the weight (0 * inf would be nan)
-        return Score(self.cost * weight, self.per_request * weight, self.per_queued * weight)
+        return Score(self.cost * weight, self.per_request * weight, self.per_queued * weight,
+                     self.per_pending * weight)
 
     def __add__(self, other: Score) -> Score:
-        return Score(self.cost + other.cost, self.per_request + other.per_request, self.per_queued + other.per_queued)
+        return Score(self.cost + other.cost, self.per_request + other.per_request, self.per_queued + other.per_queued,
+                     self.per_pending + other.per_pending)
+
+    @property
+    def finite(self) -> bool:
+        return all(math.isfinite(x) for x in (self.cost, self.per_request, self.per_queued, self.per_pending))
 
 
 @runtime_checkable

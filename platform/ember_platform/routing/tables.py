@@ -156,12 +156,13 @@ class Slot:
     num_in_flight: int
     capacity: int
     max_num_seqs: int
+    pending_prefill: float = 0.0  # prompt tokens reserved requests have yet to prefill there
 
 
 def total_cost(slot: Slot) -> float:
     c = slot.candidate
     queued = max(0, slot.num_in_flight + 1 - slot.max_num_seqs)  # would this request wait for a batch slot?
-    return c.cost + c.per_request * slot.num_in_flight + c.per_queued * queued
+    return c.cost + c.per_request * slot.num_in_flight + c.per_queued * queued + c.per_pending * slot.pending_prefill
 
 
 def pick(slots: Sequence[Slot], balance: Balance) -> int | None:

@@ -6,7 +6,9 @@
   that tier's read bandwidth, times the replica's prefill rate, both as the replica measured them (device >
   CPU > disk > S3 follows from the measurements rather than being assumed).
 * `load` — a small cost per request in flight (decode slows a little with every sequence in the batch), a large
-  one for a request that would queue behind a full batch, and the tokens whose KV would not fit in free blocks.
+  one for a request that would queue behind a full batch, the prompt tokens the replica has yet to prefill for
+  requests already routed to it (they come before this one's first token), and the tokens whose KV would not fit
+  in free blocks.
 * `lora` — nothing where the adapter is resident, `load_cost` where it would have to be loaded first.
 """
 
@@ -54,12 +56,13 @@ class PrefixScorer:
 
 
 class LoadScorer:
-    def __init__(self, running_cost: float = 32.0, queued_cost: float = 2048.0) -> None:
-        if running_cost < 0 or queued_cost < 0:
-            raise ValueError(f"load scorer: running_cost and queued_cost must be >= 0, got {running_cost}, "
-                             f"{queued_cost}")
+    def __init__(self, running_cost: float = 32.0, queued_cost: float = 2048.0, pending_cost: float = 1.0) -> None:
+        if running_cost < 0 or queued_cost < 0 or pending_cost < 0:
+            raise ValueError(f"load scorer: running_cost, queued_cost and pending_cost must be >= 0, got "
+                             f"{running_cost}, {queued_cost}, {pending_cost}")
         self.running_cost = float(running_cost)
         self.queued_cost = float(queued_cost)
+        self.pending_cost = float(pending_cost)
 
     def score(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> list[Score]:
         scores = []
@@ -71,7 +74,8 @@ class LoadScorer:
                 uncached = request.prompt_tokens(block_size) - view.num_device_blocks * block_size
                 needed = -(-max(0, uncached) // block_size)
                 kv_short = max(0, needed - load.num_free_blocks) * block_size
-            scores.append(Score(cost=float(kv_short), per_request=self.running_cost, per_queued=self.queued_cost))
+            scores.append(Score(cost=float(kv_short), per_request=self.running_cost, per_queued=self.queued_cost,
+                                per_pending=self.pending_cost))
         return scores
 
 

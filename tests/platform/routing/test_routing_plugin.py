@@ -41,13 +41,14 @@ def test_prefix_cost_is_the_uncached_prompt(scorer_host: PluginHost) -> None:
 
 
 def test_load_cost_rates_and_kv_shortage(scorer_host: PluginHost) -> None:
-    load = scorer_host.techniques.get("routing_scorer", "load").load()(running_cost=10, queued_cost=1000)
+    load = scorer_host.techniques.get("routing_scorer", "load").load()(running_cost=10, queued_cost=1000,
+                                                                      pending_cost=0.5)
     request = RouteRequest("m", (b"h" * 16,) * 4, num_prompt_tokens=64)
     plenty, short, silent = load.score(request, [view(0, free=10), view(1, free=1), view(0, free=0, total=0)])
-    assert plenty == Score(0.0, per_request=10.0, per_queued=1000.0)
+    assert plenty == Score(0.0, per_request=10.0, per_queued=1000.0, per_pending=0.5)
     assert short.cost == (3 - 1) * 16  # three blocks to compute, one free: two blocks' tokens must wait
     assert silent.cost == 0.0  # a replica that reports no KV figures is not penalized
-    with pytest.raises(ValueError, match="running_cost and queued_cost must be >= 0"):
+    with pytest.raises(ValueError, match="running_cost, queued_cost and pending_cost must be >= 0"):
         type(load)(running_cost=-1)
 
 

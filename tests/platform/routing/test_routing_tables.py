@@ -186,3 +186,30 @@ def test_open_tables_picks_the_backend_from_the_url(redis_server, namespace: str
     tables = open_tables(redis_server.url, namespace=namespace)
     assert isinstance(tables, RedisTables) and tables.snapshot("m") == []
     tables.close()
+
+
+def test_pending_prefill_delays_a_replica_until_the_first_token(make_tables: Make) -> None:
+    """A reserved request's uncached prompt is work the replica does before anything routed after it; it counts
+    against the replica from the reservation until the request's first token."""
+    tables = make_tables()
+    for rid in ("a", "b"):
+        register(tables, record(rid, capacity=8, max_num_seqs=8))
+
+    def offer(cost_b: float) -> list[Candidate]:
+        # "a" holds most of the prompt (10 tokens to prefill), "b" little of it (cost_b more).
+        return [Candidate("a", cost=0.0, per_pending=1.0, work=10.0),
+                Candidate("b", cost=cost_b, per_pending=1.0, work=10.0 + cost_b)]
+
+    long_miss = tables.reserve("m", [Candidate("a", per_pending=1.0, work=1000.0)], balance=Balance())
+    assert long_miss.replica_id == "a"
+    behind = tables.reserve("m", offer(500.0), balance=Balance())
+    assert (behind.replica_id, behind.cost) == ("b", 500.0)  # 500 tokens here beat waiting for a's 1,000
+    long_miss.prefilled()  # its first token: "a" is free to prefill again
+    after = tables.reserve("m", offer(500.0), balance=Balance())
+    assert (after.replica_id, after.cost) == ("a", 0.0)
+    long_miss.prefilled()  # idempotent
+    for reservation in (long_miss, behind, after):
+        reservation.release()
+    quiet = tables.reserve("m", offer(1.0), balance=Balance())
+    assert (quiet.replica_id, quiet.cost) == ("a", 0.0)  # released: no pending work left anywhere
+    quiet.release()
