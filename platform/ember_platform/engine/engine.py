@@ -137,6 +137,8 @@ class LLMEngine:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.timings["init"] = time.perf_counter() - t0
+        if self.kv_tiers is not None and self.kv_tiers.config.seed_prefixes:
+            self._seed_from_tiers(self.kv_tiers.config.seed_prefixes)
         log.info("engine ready: %s on %s, %d KV blocks of %d tokens, selections %s", manifest.reference,
                  self.hardware.describe(), num_blocks, self.block_size,
                  {k: v.name for k, v in self.selections.items()})
@@ -440,6 +442,15 @@ class LLMEngine:
             if req.params.max_tokens is not None:
                 room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
             req.spec_token_ids = proposal.token_ids[:max(0, min(k, room))]
+
+    def _seed_from_tiers(self, n: int) -> None:
+        """Load the `n` hottest prefixes the replicas published into the device pool (a cold-start phase)."""
+        from ember_platform.kvtiers import seed  # the tiers' own module: imported only when they are on
+
+        report = seed(self, n)
+        self.timings["kv_seed"] = report.seconds
+        log.info("seeded %d KV blocks of %d hot prefixes from the tiers in %.2f s", report.blocks, report.chains,
+                 report.seconds)
 
     # --- sleep ------------------------------------------------------------------------------
 

@@ -31,12 +31,15 @@ class KVTierConfig:
     # requests; the request waits for them, not the whole batch. Needs the CPU tier (else reads are inline).
     async_loads: bool = True
     hot_publish_s: float = 60.0  # how often this replica uploads its hottest prefixes (for seeding others)
+    # At start, before the first request, load this many of the hottest prefixes other replicas published to S3
+    # into the device pool (a fresh replica's first requests then hit instead of recomputing); 0: don't.
+    seed_prefixes: int = 0
     max_pending_writes: int = 256  # blocks queued per lower tier; more are dropped (and counted)
     model_id: str | None = None  # the model's identity in stored blocks; default: a digest of its weights
     replica_id: str | None = None  # names this replica's hot-prefix list; default: host and pid
 
     def __post_init__(self) -> None:
-        for name in ("cpu_gb", "disk_gb", "s3_timeout_s", "s3_breaker_cooldown_s", "hot_publish_s"):
+        for name in ("cpu_gb", "disk_gb", "s3_timeout_s", "s3_breaker_cooldown_s", "hot_publish_s", "seed_prefixes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"kv_tiers.{name}: must be >= 0, got {getattr(self, name)}")
         for name in ("s3_breaker_failures", "s3_fetch_threads", "max_pending_writes"):

@@ -247,8 +247,13 @@ def test_a_fresh_engine_is_seeded_with_the_hottest_prefixes(reference, moto) -> 
     out = generate(fresh, SECOND)
     assert out.token_ids == reference[tuple(SECOND)] and out.usage.cached_tokens == PREFIX
     assert tier_stats(fresh)["s3_hits"] == loaded  # served from the device: nothing fetched on the request path
-    a.engine.kv_tiers.close()
-    fresh.engine.kv_tiers.close()
+    # The same at start, from the option (a replica process: `--override kv_tiers={..., "seed_prefixes": 4}`).
+    started = LLM(EXAMPLE, kv_tiers={"cpu_gb": 0.01, "seed_prefixes": 4, **s3_option(moto, bucket, replica_id="c")})
+    assert started.engine.timings["kv_seed"] > 0
+    assert all(started.engine.kv.pool.lookup(h) is not None for h in SYSTEM_HASHES)
+    assert generate(started, SECOND).usage.cached_tokens == PREFIX
+    for llm in (a, fresh, started):
+        llm.engine.kv_tiers.close()
 
 
 def test_tier_membership_events_for_routing(tmp_path) -> None:
