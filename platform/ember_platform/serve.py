@@ -24,6 +24,7 @@ from ember_platform.control.plane import ControlPlane
 from ember_platform.gateway.app import create_app
 from ember_platform.gateway.auth import ADMIN_KEY_ENV, Authenticator, KeyStore
 from ember_platform.gateway.proxy import ReplicaChooser, RoundRobin
+from ember_platform.routing import RoutingTables
 
 logger = logging.getLogger("ember.serve")
 
@@ -80,13 +81,12 @@ def _authenticator(home: Path, no_auth: bool, host: str, say: Callable[[str], No
     return Authenticator.from_env(store)
 
 
-def _chooser(redis_url: str | None, say: Callable[[str], None]) -> ReplicaChooser:
-    """The gateway's routing: KV-aware over Redis tables (shared with other gateways) or in-process ones."""
+def _routing(redis_url: str | None, say: Callable[[str], None]) -> tuple[RoutingTables, ReplicaChooser]:
+    """The routing tables (Redis, shared with other gateways, or in-process ones) and the gateway's routing over them:
+    KV-aware, or round robin. The control plane writes its deployments' states to the same tables."""
     policy = os.environ.get(ROUTING_ENV, "kv")
     if policy not in ("kv", "round-robin"):
         raise EmberError(f"{ROUTING_ENV}={policy!r}: expected 'kv' or 'round-robin'")
-    if policy == "round-robin" and not redis_url:  # shared tables need the chooser even for round robin
-        return RoundRobin()
     from ember_platform.gateway.routing import KVAwareChooser
     from ember_platform.routing import Router, RoutingError, open_tables
 
@@ -96,9 +96,11 @@ def _chooser(redis_url: str | None, say: Callable[[str], None]) -> ReplicaChoose
             tables.snapshot("-")  # reach Redis now: a wrong URL is a one-line error, not a failure per request
     except RoutingError as e:
         raise EmberError(f"--redis-url {redis_url}: {e}") from None
+    if policy == "round-robin" and not redis_url:  # shared tables need the chooser even for round robin; in-process
+        return tables, RoundRobin()                  # ones then hold only the control plane's deployment states
     if redis_url:
         say(f"routing tables in Redis at {redis_url} ({policy} routing)")
-    return KVAwareChooser(Router.from_config(tables), observe_routing=redis_url is None, policy=policy)
+    return tables, KVAwareChooser(Router.from_config(tables), observe_routing=redis_url is None, policy=policy)
 
 
 def serve(package_dirs: Sequence[Path] = (), *, host: str = "127.0.0.1", port: int = 8000,
@@ -109,7 +111,7 @@ def serve(package_dirs: Sequence[Path] = (), *, host: str = "127.0.0.1", port: i
     Prints `EMBER_SERVE_READY http://HOST:PORT` when every package's replicas are ready. Returns the exit code.
     """
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
-    chooser = _chooser(redis_url, say)
+    tables, chooser = _routing(redis_url, say)
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(levelname)s:     %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness probe otherwise
@@ -126,7 +128,8 @@ def serve(package_dirs: Sequence[Path] = (), *, host: str = "127.0.0.1", port: i
     url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
 
     plane = ControlPlane(registry, packages_dir=home / "packages", cache=BlobCache.default(),
-                         launcher=LocalProcessLauncher(log_dir=home / "logs", redis_url=redis_url))
+                         launcher=LocalProcessLauncher(log_dir=home / "logs", redis_url=redis_url),
+                         routing_tables=tables)
     state: dict[str, object] = {"ready": False, "failed": None}
     server: _Server | None = None
     tasks: set[asyncio.Task[None]] = set()

@@ -6,6 +6,7 @@ import asyncio
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -119,6 +120,7 @@ class Deployment:
     events: deque[str] = field(default_factory=lambda: deque(maxlen=MAX_EVENTS))
     sleeping_since: float | None = None  # monotonic time its replicas went to sleep (then to zero after the delay)
     deleted: bool = False
+    on_change: Callable[[Deployment], None] | None = field(default=None, repr=False)  # called by notify()
     _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def changed_event(self) -> asyncio.Event:
@@ -128,6 +130,8 @@ class Deployment:
     def notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+        if self.on_change is not None:
+            self.on_change(self)
 
     @property
     def active(self) -> DeploymentVersion:

@@ -30,6 +30,9 @@ from ember_platform.control.deployments import (
     ReplicaState,
 )
 from ember_platform.control.launcher import Launcher
+from ember_platform.control.state import DeploymentStates
+from ember_platform.routing import DeploymentState, RoutingTables
+from ember_platform.routing.memory import InProcessTables
 
 logger = logging.getLogger("ember.control")
 
@@ -88,7 +91,11 @@ class ControlPlane:
     """Deployments by name. Call `start()` on the running loop before use, and `shutdown()` at the end."""
 
     def __init__(self, registry: Registry, *, packages_dir: Path, launcher: Launcher, cache: BlobCache | None = None,
-                 probe_interval: float = 1.0, max_start_failures: int = 3, wait_timeout: float = 120.0) -> None:
+                 probe_interval: float = 1.0, max_start_failures: int = 3, wait_timeout: float = 120.0,
+                 routing_tables: RoutingTables | None = None) -> None:
+        """`routing_tables`: where each deployment's state (cold, starting, warm, sleeping) is written, the tables
+        the gateway routes with (shared with other gateways through Redis); in-process tables of its own otherwise.
+        """
         self.registry = registry
         self.packages_dir = Path(packages_dir)
         self.launcher = launcher
@@ -105,12 +112,14 @@ class ControlPlane:
         self._supervisor: asyncio.Task[None] | None = None
         self._probe_client: httpx.AsyncClient | None = None
         self._closing = False
+        self.states = DeploymentStates(routing_tables or InProcessTables(), interval=probe_interval)
 
     # --- lifecycle ------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._probe_client = httpx.AsyncClient(timeout=PROBE_TIMEOUT_S)
         self._supervisor = asyncio.create_task(self._supervise(), name="ember-supervisor")
+        self.states.start(lambda: list(self._deployments.values()))
 
     async def shutdown(self) -> None:
         """Drain and stop every replica (each bounded by the launcher's drain timeout), then stop supervising."""
@@ -125,6 +134,7 @@ class ControlPlane:
             stops += [self._retire(dep, replica) for replica in list(dep.replicas)]
             dep.notify()
         await asyncio.gather(*stops, *self._retiring.values(), return_exceptions=True)
+        await self.states.close(list(self._deployments.values()))  # cold now, unless other gateways serve them
         if self._probe_client is not None:
             await self._probe_client.aclose()
 
@@ -142,6 +152,11 @@ class ControlPlane:
     def names(self) -> list[str]:
         return sorted(self._deployments)
 
+    async def deployment_state(self, dep: Deployment) -> tuple[DeploymentState, str]:
+        """The deployment's state (cold, starting, warm, sleeping) as the routing tables hold it (with Redis, as
+        every gateway sees it), and where that came from."""
+        return await self.states.read(dep)
+
     # --- operations ---------------------------------------------------------------------------------------
 
     async def deploy(self, reference: str, *, min_replicas: int | None = None, max_replicas: int | None = None,
@@ -156,7 +171,7 @@ class ControlPlane:
             pulled = await asyncio.to_thread(self._pull, reference)
             dep = self._deployments.get(name)
             if dep is None:
-                dep = Deployment(name=name, active_version=pulled.version)
+                dep = Deployment(name=name, active_version=pulled.version, on_change=self.states.changed)
                 dep.versions[pulled.version] = pulled
                 self._configure(dep, min_replicas, max_replicas, overrides)
                 await self._create(dep)
@@ -388,6 +403,7 @@ class ControlPlane:
     def _launch(self, dep: Deployment, version: str) -> asyncio.Task[Replica]:
         replica = Replica(version=version)
         dep.replicas.append(replica)
+        self.states.launched(dep, replica.id)
         dep.notify()
         task = asyncio.create_task(self._start_replica(dep, replica), name=f"ember-start-{dep.name}-{replica.id}")
         self._launching[replica.id] = task

@@ -227,6 +227,7 @@ class Gateway:
                     break
             except (httpx.HTTPError, ValueError):
                 continue
+        state, state_source = await self.plane.deployment_state(dep)
         timings: dict[str, Any] = {"pull": round(active.pull.resolve_s + active.pull.pull_s, 6)}
         if replica is not None and replica.start_s is not None:
             timings["replica_start"] = round(replica.start_s, 6)
@@ -237,6 +238,8 @@ class Gateway:
             "version": dep.active_version,
             "digest": active.digest,
             "versions": sorted(dep.versions),
+            "state": str(state),
+            "state_source": state_source,
             "selections": replica_info.get("selections") if replica_info else None,
             "timings": timings,
             "pull": active.pull.to_json(),
