@@ -16,6 +16,12 @@ Two sources of truth, one code path:
   least recently routed blocks beyond the replica's KV capacity: the approximate cache view of
   SGLang's cache-aware router, which needs nothing from the replicas.
 
+With Redis, no call to it runs on the event loop once a model's first request was routed: choosing runs in a worker
+thread, releases are handed to one, and the other gateways' replicas come from a list refreshed in the background.
+A Redis that stops answering (hung, partitioned) costs one timeout: the tables are then left alone for
+`OUTAGE_BACKOFF_S`, requests go to the least loaded replica the gateway knows, and the last list of other gateways'
+replicas stays in use for `REMOTE_STALE_S` (a replica that died meanwhile is skipped by the proxy's retry).
+
 Torch-free; a request the gateway cannot tokenize routes on load alone.
 """
 
@@ -24,9 +30,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
+import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
@@ -39,12 +48,16 @@ from ember_platform.routing import (
     Router,
     RoutingError,
     RoutingTables,
+    TablesUnavailable,
 )
 from ember_platform.routing.prompts import PromptHasher
 
 log = logging.getLogger("ember.gateway.routing")
 
 LEASE_S = 30.0
+REMOTE_REFRESH_S = 0.25  # how old the list of other gateways' replicas may be before a background refresh
+REMOTE_STALE_S = 10.0  # how long that list stays in use while the tables cannot be read
+OUTAGE_BACKOFF_S = 5.0  # after the tables failed to answer, leave them alone this long
 # Requests a replica is sent at once before the router prefers waiting elsewhere; engines queue beyond
 # max_num_seqs themselves, so the embedded gateway does not cap it (the load scorer prices the queueing).
 UNCAPPED = 1 << 20
@@ -69,6 +82,11 @@ class KVAwareChooser:
         self._predicted: dict[str, OrderedDict[bytes, None]] = {}  # replica id -> blocks routed there, LRU
         self._adapters: dict[str, OrderedDict[str, None]] = {}
         self._reservations: dict[str, Reservation] = {}  # request id -> its slot
+        self._remote_views: dict[str, tuple[float, list[Any]]] = {}  # model -> (read at, its replicas' views)
+        self._refreshing: set[str] = set()
+        self._down_until = 0.0  # monotonic time before which the tables are not asked (an outage)
+        self._lock = threading.Lock()
+        self._io = ThreadPoolExecutor(2, thread_name_prefix="ember-routing-io")  # releases and refreshes
 
     # --- the proxy's interface -------------------------------------------------------------------
 
@@ -78,27 +96,58 @@ class KVAwareChooser:
             return self._choose(deployment, candidates, body, request_id)
         return await asyncio.to_thread(self._choose, deployment, candidates, body, request_id)
 
+    def prefilled(self, request_id: str) -> None:
+        """The request's first token is out: its prompt no longer counts as work pending on its replica."""
+        reservation = self._reservations.get(request_id)
+        if reservation is not None and (self.observe_routing or time.monotonic() >= self._down_until):
+            self._off_loop(reservation.prefilled, "recording a prefill as done")  # an optimization: not in outages
+
     def release(self, request_id: str) -> None:
         reservation = self._reservations.pop(request_id, None)
         if reservation is not None:
+            # Even in an outage: a hold left behind would make its replica look busy until it lapses (minutes).
+            self._off_loop(reservation.release, "releasing a routing reservation")
+
+    def _off_loop(self, call: Callable[[], None], what: str) -> None:
+        """In-process tables: now. Redis: in a worker thread, so that the event loop never waits on it."""
+        def run() -> None:
             try:
-                reservation.release()
-            except RoutingError as e:  # the hold expires by itself
-                log.warning("releasing a routing reservation failed: %s", e)
+                call()
+            except RoutingError as e:
+                self._outage(e)
+                log.warning("%s failed: %s", what, e)
+
+        if self.observe_routing:
+            run()
+        else:
+            self._io.submit(run)
 
     # --- internals -------------------------------------------------------------------------------
 
     def remote_candidates(self, dep: Deployment) -> list[Replica]:
-        """Ready replicas of the active version in shared tables that this gateway does not run itself."""
+        """Ready replicas of the active version in shared tables that this gateway does not run itself.
+
+        From a list read at most REMOTE_REFRESH_S ago, refreshed in the background; only a model's first request
+        waits for a read."""
         if self.observe_routing:
             return []
-        try:
-            views = self.tables.snapshot(dep.name)
-        except RoutingError:
+        now = time.monotonic()
+        cached = self._remote_views.get(dep.name)
+        if cached is None:
+            self._refresh_remote(dep.name)
+            cached = self._remote_views.get(dep.name)
+        elif now - cached[0] > REMOTE_REFRESH_S:
+            with self._lock:
+                start = dep.name not in self._refreshing and now >= self._down_until
+                if start:
+                    self._refreshing.add(dep.name)
+            if start:
+                self._io.submit(self._refresh_remote, dep.name)
+        if cached is None or now - cached[0] > REMOTE_STALE_S:
             return []
         local = {r.id for r in dep.replicas}
         out = []
-        for view in views:
+        for view in cached[1]:
             record = view.record
             if record.state != ReplicaState.READY or record.version != dep.active_version or view.replica_id in local:
                 continue
@@ -108,6 +157,25 @@ class KVAwareChooser:
                                                                   remote_url=record.url)
             out.append(replica)
         return out
+
+    def _refresh_remote(self, model: str) -> None:
+        try:
+            if time.monotonic() >= self._down_until:
+                self._remote_views[model] = (time.monotonic(), self.tables.snapshot(model))
+        except RoutingError as e:
+            self._outage(e)
+        finally:
+            with self._lock:
+                self._refreshing.discard(model)
+        live = {v.replica_id for _, views in self._remote_views.values() for v in views}
+        for replica_id in [r for r in self._remote if r not in live]:  # forget replicas no table lists any more
+            self._remote.pop(replica_id, None)
+
+    def _outage(self, error: RoutingError) -> None:
+        if time.monotonic() >= self._down_until:
+            log.warning("routing tables unavailable (%s); routing on this gateway's own view for %.0f s", error,
+                        OUTAGE_BACKOFF_S)
+        self._down_until = time.monotonic() + OUTAGE_BACKOFF_S
 
     def _choose(self, dep: Deployment, candidates: Sequence[Replica], body: bytes, request_id: str) -> Replica:
         by_id = {r.id: r for r in candidates}
@@ -124,10 +192,14 @@ class KVAwareChooser:
         if self.policy == "round-robin":  # the baseline: every replica in turn, whatever it holds
             self._turn += 1
             allowed = {sorted(by_id)[self._turn % len(by_id)]}
+        if not self.observe_routing and time.monotonic() < self._down_until:
+            return min(candidates, key=lambda r: r.in_flight)  # an outage: don't wait on the tables again yet
         try:
             reservation = self.router.choose(dep.name, hashes, lora, num_prompt_tokens=len(ids or ()),
                                              allowed=allowed, hold_s=dep.request_timeout + 60)
         except RoutingError as e:  # tables unreachable or nothing ready in them: the control plane's view decides
+            if isinstance(e, TablesUnavailable):
+                self._outage(e)
             log.info("%s: routing tables cannot choose (%s); taking the least loaded replica", dep.name, e)
             return min(candidates, key=lambda r: r.in_flight)
         self._reservations[request_id] = reservation
