@@ -1,20 +1,33 @@
-"""A real `redis-server` for the routing tests, and a fixture that runs a test on both table backends."""
+"""A real `redis-server` for the routing tests, a fixture that runs a test on both table backends, and the
+processes of the end-to-end tests: gateways (`ember serve --redis-url`) with the replicas they run.
+
+pytest's importlib mode lets no test module import another, nor a conftest: the end-to-end modules reach the shared
+helpers through fixtures (`start_topology`, `wait_until`), as tests/conftest.py hands out `start_moto`."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import queue
+import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
+import openai
 import pytest
 
 from ember.plugins import PluginHost
-from ember_platform.routing import RoutingTables
+from ember_platform.routing import ReplicaState, RoutingTables
 from ember_platform.routing.memory import InProcessTables
 from ember_platform.routing.redis_tables import RedisTables
 
@@ -141,3 +154,199 @@ def scorer_host() -> PluginHost:
     host = PluginHost(entry_points=False, disabled=())
     host.register(ember_plugins.routing, "routing")
     return host
+
+
+# --- end to end: gateways (`ember serve --redis-url`) and their replicas, in processes of their own ---------------
+
+REPO = Path(__file__).resolve().parents[3]
+EXAMPLE = REPO / "examples" / "tiny-llama"
+MODEL = "tiny-llama"
+READY_TIMEOUT_S = 180.0
+
+
+def package_copy(dest: Path, *, replicas: int, adapters: Path | None = None, manifest_extra: str = "") -> Path:
+    """The example package with `replicas` replicas at deploy time (0: scaled to zero), no autoscaling; `adapters` (a
+    folder) copied in as its adapters/, and `manifest_extra` (e.g. `[[lora]]` entries) added to its manifest."""
+    shutil.copytree(EXAMPLE, dest, ignore=shutil.ignore_patterns("__pycache__", "ember.lock"))
+    if adapters is not None:
+        shutil.copytree(adapters, dest / "adapters")
+    manifest = dest / "ember.toml"
+    text = manifest.read_text()
+    text = re.sub(r"(?m)^min_replicas = .*$", f"min_replicas = {replicas}", text)
+    text = re.sub(r"(?m)^max_replicas = .*$", f"max_replicas = {max(1, replicas)}", text)
+    text = re.sub(r"(?m)^prewarm = .*$", f"prewarm = {'true' if replicas else 'false'}", text)
+    text = re.sub(r"(?m)^target_concurrency = .*$", "target_concurrency = 1000", text)
+    manifest.write_text(text + manifest_extra)
+    return dest
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+class Gateway:
+    """`ember serve PACKAGE --redis-url URL` in a subprocess with its own home, registry and cache."""
+
+    def __init__(self, name: str, package: Path, workdir: Path, redis_url: str) -> None:
+        self.name = name
+        self.package = package
+        self.home = workdir / name / "home"
+        self.log_path = workdir / name / "serve.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.redis_url = redis_url
+        self.url = ""
+        self.process: subprocess.Popen[str] | None = None
+        self.pids: set[int] = set()
+        self._lines: queue.Queue[str | None] = queue.Queue()
+
+    def launch(self) -> Gateway:
+        env = {**os.environ, "EMBER_HOME": str(self.home), "EMBER_REGISTRY": str(self.home.parent / "registry"),
+               "EMBER_CACHE": str(self.home.parent / "cache"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+               "EMBER_ROUTING": "kv"}
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "ember", "serve", str(self.package), "--no-auth", "--host", "127.0.0.1",
+                 "--port", "0", "--redis-url", self.redis_url], env=env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO)
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        return self
+
+    def _read_stdout(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        for line in self.process.stdout:  # keeps the pipe from filling up
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def wait_ready(self) -> Gateway:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                line = self._lines.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            if line.startswith("EMBER_SERVE_READY "):
+                self.url = line.split()[1].rstrip("/")
+                self.replicas()
+                return self
+        raise AssertionError(f"gateway {self.name} did not become ready:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def client(self, timeout: float = 60) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=timeout)
+
+    def replicas(self) -> list[dict[str, Any]]:
+        """The replicas this gateway's control plane runs."""
+        response = httpx.get(f"{self.url}/admin/deployments/{MODEL}", timeout=30)
+        assert response.status_code == 200, response.text
+        replicas = response.json()["replicas"]
+        self.pids.update(r["pid"] for r in replicas if r["pid"])
+        return replicas
+
+    def info(self) -> dict[str, Any]:
+        response = httpx.get(f"{self.url}/models/{MODEL}/info", timeout=30)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def retries(self) -> float:
+        """Requests this gateway sent to another replica after one could not be reached (or answered 503)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        match = re.search(r'^ember_gateway_upstream_retries_total\{model="tiny-llama"\} ([0-9.e+]+)$', text, re.M)
+        return float(match.group(1)) if match else 0.0
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        for pid in self.pids:  # a failed test must not leave replicas behind
+            kill_if_ours(pid, self.home)
+
+
+def kill_if_ours(pid: int, home: Path) -> None:
+    """SIGKILL a replica of this gateway, and nothing else that may have taken its pid since."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return
+    if "ember_platform.replica" in command and str(home) in command:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+class Topology:
+    """The topology of bench/bench_routing.py: gateway A runs the replicas, which publish to Redis; gateway B runs
+    none and routes to A's replicas through the shared tables alone."""
+
+    def __init__(self, a: Gateway, b: Gateway, redis_url: str) -> None:
+        self.a, self.b = a, b
+        self.tables = RedisTables.from_url(redis_url)  # what every gateway and replica shares
+
+    @property
+    def gateways(self) -> tuple[Gateway, Gateway]:
+        return self.a, self.b
+
+    def routed(self) -> dict[str, str]:
+        """Replica id -> url of the ready replicas the routing tables hold."""
+        return {v.replica_id: v.record.url for v in self.tables.snapshot(MODEL) if v.record.state == ReplicaState.READY}
+
+    @staticmethod
+    def served_by(urls: dict[str, str]) -> dict[str, int]:
+        """Replica id -> requests the replica at its url has served (its own count)."""
+        return {rid: finished(url) for rid, url in urls.items()}
+
+    def close(self) -> None:
+        self.b.stop()
+        self.a.stop()
+        self.tables.close()
+
+
+def finished(url: str) -> int:
+    """Requests the replica at `url` has served (its own count)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return int(sum(float(m.group(1)) for m in
+                   re.finditer(r"^ember_requests_finished_total\{[^}]*\} ([0-9.e+]+)$", text, re.M)))
+
+
+@pytest.fixture(name="wait_until")
+def wait_until_fixture() -> Callable[..., Any]:
+    """wait_until(predicate, timeout, what, interval=0.05) -> the predicate's first true value; AssertionError naming
+    `what` once `timeout` s have passed."""
+    return wait_until
+
+
+@pytest.fixture
+def start_topology(own_redis: RedisServer, tmp_path: Path) -> Iterator[Callable[..., Topology]]:
+    """start_topology(replicas, adapters=None, manifest_extra="") -> a `Topology` on `own_redis`, each gateway with its
+    own copy of the package (`package_copy`): A with `replicas` replicas, B with none. Returns once both gateways are
+    ready and A's replicas are in the routing tables; stops both, and kills their replicas, after the test."""
+    started: list[Topology] = []
+
+    def start(replicas: int, **package_options: Any) -> Topology:
+        a = Gateway("a", package_copy(tmp_path / "pkg-a", replicas=replicas, **package_options), tmp_path,
+                    own_redis.url)
+        b = Gateway("b", package_copy(tmp_path / "pkg-b", replicas=0, **package_options), tmp_path, own_redis.url)
+        topo = Topology(a, b, own_redis.url)
+        started.append(topo)
+        a.launch().wait_ready()
+        b.launch().wait_ready()
+        wait_until(lambda: len(topo.routed()) == replicas, 30, f"{replicas} replicas in the routing tables")
+        assert b.replicas() == []  # B runs none: everything it serves goes to A's replicas through the tables
+        return topo
+
+    yield start
+    for topo in started:
+        topo.close()
