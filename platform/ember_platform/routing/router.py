@@ -102,8 +102,10 @@ class Router:
         # cache while another's stays empty.
         shift = next(self._turns) % len(rated)
         rated = rated[shift:] + rated[:shift]
+        # Pending prefill is recorded only where a scorer prices it (the tables then write it per reservation).
         candidates = [Candidate(r.view.replica_id, r.score.cost, r.score.per_request, r.score.per_queued,
-                                r.score.per_pending, work=float(uncached_tokens(request, r.view)))
+                                r.score.per_pending,
+                                work=float(uncached_tokens(request, r.view)) if r.score.per_pending else 0.0)
                       for r in rated]
         reservation = self.tables.reserve(model, candidates, balance=self.balance,
                                           hold_s=self.hold_s if hold_s is None else hold_s)
