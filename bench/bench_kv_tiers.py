@@ -14,6 +14,10 @@ tier alone. TTFT is measured in the engine's step loop, add_request to the first
 bench_prefix_ttft.py; every tier hit is checked to have skipped the whole prefix. Ratio per tier: median
 recompute TTFT over median tier TTFT. The S3 sweep repeats recompute vs s3 at shorter prefix lengths.
 Disk reads come from the page cache here (the block was just written): a cold disk adds its read time.
+
+Cross-replica reuse: a second engine, replica B (its own device pool, and a CPU tier plus the same S3 bucket, as
+a replica would run), sends each prefix A computed with a fresh suffix: `b-s3` loads it from S3 (read in the
+background into B's CPU tier while B's step loop waits), `b-recompute` is B with its tiers detached.
 """
 
 from __future__ import annotations
@@ -135,6 +139,8 @@ def run(args: argparse.Namespace, tmp: Path, endpoint: str | None, bucket: str |
                            engine.device)
 
     readers: dict[str, KVTierStore | None] = {"recompute": None, "cpu": writer, "disk": alone(**disk)}
+    replica_b = (LLM(args.model, num_kv_blocks=num_blocks, kv_tiers={"cpu_gb": 2.0, **s3},
+                     **({"dtype": args.dtype} if args.dtype else {})).engine if s3 else None)
     if s3:
         readers["s3"] = alone(**s3)
     tok = engine.tokenizer
@@ -142,7 +148,9 @@ def run(args: argparse.Namespace, tmp: Path, endpoint: str | None, bucket: str |
     first_token = greedy(2)  # two tokens: a request finishing in its prefill step caches no blocks (see bench README)
     block = engine.block_size
 
-    def one_prefix(length: int, sides: list[str]) -> dict[str, tuple[float, int]]:
+    b_turns = iter(range(1 << 30))
+
+    def one_prefix(length: int, sides: list[str], with_b: bool = False) -> dict[str, tuple[float, int]]:
         """Compute a fresh prefix once (written through), then time each side on it with a fresh suffix."""
         prefix = random_code_tokens(tok, length, rng)
         engine.kv.tiers = writer
@@ -160,16 +168,29 @@ def run(args: argparse.Namespace, tmp: Path, endpoint: str | None, bucket: str |
                 raise RuntimeError(f"{side}: {timing.cached_tokens} prefix tokens reused, expected {expected}")
             out[side] = (timing.ttft, timing.cached_tokens)
         engine.kv.tiers = writer
+        if replica_b is not None and with_b:
+            b_tiers = replica_b.kv_tiers
+            for side in (["b-recompute", "b-s3"] if next(b_turns) % 2 == 0 else ["b-s3", "b-recompute"]):
+                assert replica_b.kv.pool.reset_prefix_cache(), "blocks still in use on replica B"
+                replica_b.kv.drain_events()
+                replica_b.kv.tiers = b_tiers if side == "b-s3" else None
+                timing = run_engine(replica_b, [prefix + random_code_tokens(tok, suffix, rng)], first_token)[0]
+                expected = 0 if side == "b-recompute" else (length // block) * block
+                if timing.cached_tokens != expected:
+                    raise RuntimeError(f"{side}: {timing.cached_tokens} prefix tokens reused, expected {expected}")
+                out[side] = (timing.ttft, timing.cached_tokens)
+            replica_b.kv.tiers = b_tiers
         return out
 
     sides = [s for s in SIDES if s in readers]
     run_engine(engine, [random_code_tokens(tok, 64, rng)], first_token)  # warm-up
-    one_prefix(min(lengths), sides)  # warm-up of every path (first S3 connection, first disk files)
+    one_prefix(min(lengths), sides, with_b=True)  # warm-up of every path (first S3 connection, first disk files)
     ttft: dict[str, list[float]] = {s: [] for s in sides}
+    cross: dict[str, list[float]] = {"b-recompute": [], "b-s3": []}
     for r in range(args.repeats):
         order = sides[r % len(sides):] + sides[:r % len(sides)]  # rotate: machine drift hits every side alike
-        for side, (t, _cached) in one_prefix(prefix_len, order).items():
-            ttft[side].append(t)
+        for side, (t, _cached) in one_prefix(prefix_len, order, with_b=True).items():
+            (cross if side in cross else ttft)[side].append(t)
 
     sweep: dict[int, dict[str, list[float]]] = {}
     if "s3" in readers:
@@ -201,6 +222,11 @@ def run(args: argparse.Namespace, tmp: Path, endpoint: str | None, bucket: str |
         print_table(["prefix tokens", "recompute ms", "s3 ms", "recompute/s3"], rows)
         print(f"\nS3 fetch beats recomputing from {crossover} prefix tokens on" if crossover is not None
               else "\nS3 fetch did not beat recomputing at any measured length")
+    cross_ratio = None
+    if cross["b-s3"]:
+        cross_ratio = median(cross["b-recompute"]) / median(cross["b-s3"])
+        print(f"\nreplica B, prefix computed by A, from the shared S3: TTFT {spread([t * 1e3 for t in cross['b-s3']])} "
+              f"ms vs recomputing {spread([t * 1e3 for t in cross['b-recompute']])} ms: {cross_ratio:.2f}x")
     # What the stores measured while serving the hits: bytes/s of reading blocks (host -> device for the CPU tier).
     bandwidth = {side: store.read_bandwidth().get(side) for side, store in readers.items() if store is not None}
     print("\nmeasured read bandwidth: " + ", ".join(f"{side} {bw / 2**20:.0f} MiB/s" for side, bw in bandwidth.items()
@@ -215,6 +241,8 @@ def run(args: argparse.Namespace, tmp: Path, endpoint: str | None, bucket: str |
         "ttft_ms": {side: round(median(v) * 1e3, 2) for side, v in ttft.items()},
         "runs_ms": {side: [round(t * 1e3, 2) for t in v] for side, v in ttft.items()},
         "s3_crossover_tokens": crossover,
+        "ratio_replica_b_s3": round(cross_ratio, 3) if cross_ratio else None,
+        "replica_b_ms": {side: [round(t * 1e3, 2) for t in v] for side, v in cross.items()},
         "read_mib_s": {side: round(bw / 2**20, 1) for side, bw in bandwidth.items() if bw},
         "s3_sweep_ms": {str(length): {side: round(median(v) * 1e3, 2) for side, v in sides_.items()}
                         for length, sides_ in sorted(sweep.items())},
@@ -224,6 +252,8 @@ def run(args: argparse.Namespace, tmp: Path, endpoint: str | None, bucket: str |
     }
     for store in {id(s): s for s in readers.values() if s is not None}.values():
         store.close(timeout=5)
+    if replica_b is not None:
+        replica_b.kv_tiers.close(timeout=5)
     name = args.model.resolve().name
     emit("kv_tiers" + ("" if name == "llama-150m" else f"-{name}") + (f"-{args.dtype}" if args.dtype else ""),
          record, args.results)
