@@ -53,6 +53,7 @@ TIERS = ("cpu", "disk", "s3")  # fastest first: the order of lookups, and of cre
 HOT_FOLDER = "hot"
 _S3_MISS_TTL_S = 2.0  # a waiting request is looked up again each step: don't ask S3 again each time
 _S3_MISS_MEMORY = 4096
+_MAX_STAGED = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +122,10 @@ class KVTierStore:
         if self.s3 is not None:
             self.writers["s3"] = AsyncWriter("s3", _weak(self._write_s3), max_pending=config.max_pending_writes,
                                              idle=_weak(self._publish_hot_if_changed), idle_s=config.hot_publish_s)
+        below_cpu = self.disk is not None or self.s3 is not None  # (a DiskTier is falsy while empty: its len)
         self._stager = (ThreadPoolExecutor(2, thread_name_prefix="ember-kv-stage")
-                        if config.async_loads and self.cpu is not None and (self.disk or self.s3) else None)
+                        if config.async_loads and self.cpu is not None and below_cpu else None)
+        self._staged_from: dict[BlockHash, str] = {}  # staged into the CPU tier from this tier: its hit, once loaded
         self._finalizer = weakref.finalize(self, _close_writers, list(self.writers.values()), self.s3, 1.0, True,
                                            self._stager)
         log.info("KV tiers: %s; model %s, %d-byte blocks, namespace %s", self.describe(), layout.model,
@@ -183,28 +186,48 @@ class KVTierStore:
 
     def stage(self, block_hashes: Sequence[BlockHash]) -> bool:
         """Whether `fetch(block_hashes)` may run now without waiting on disk or S3. If not, a background read of
-        the run into the CPU tier is under way (started now or before); ask again on a later step."""
-        if self._stager is None:
+        the run into the CPU tier is under way (started now or before); ask again on a later step.
+
+        One read per run: once it is done, `fetch` takes what it staged, and reads inline whatever did not fit
+        in the CPU tier (a tier smaller than the run must not make the request wait for read after read)."""
+        if self._stager is None or not block_hashes:
             return True  # no CPU tier to stage into, or inline reads asked for: fetch reads them itself
-        first_missing = next((h for h in block_hashes if h not in self.cpu), None)  # type: ignore[operator]
-        if first_missing is None:
-            return True
-        pending = self._staging.get(first_missing)
+        key = block_hashes[0]  # a waiting request asks for the same run each step
+        pending = self._staging.get(key)
         if pending is not None:
             if not pending.done():
                 return False
-            del self._staging[first_missing]  # read: what it found is in the CPU tier, misses are remembered
+            del self._staging[key]
+            return True
+        first_missing = next((h for h in block_hashes if h not in self.cpu), None)  # type: ignore[operator]
+        if first_missing is None:
             return True
         in_disk = self.disk is not None and first_missing in self.disk
         may_be_in_s3 = self.s3 is not None and not self._recent_s3_miss(first_missing)
         if not (in_disk or may_be_in_s3):
             return True  # nothing below the CPU tier can have it: recompute from here, no waiting
+        if len(self._staging) >= _MAX_STAGED:  # reads of requests that left before asking again
+            for stale in [k for k, f in self._staging.items() if f.done()]:
+                del self._staging[stale]
         run = list(block_hashes[list(block_hashes).index(first_missing):])
-        future = self._stager.submit(self.prefetch, run)
+        future = self._stager.submit(self._stage_run, run)
         future.add_done_callback(lambda _: self._staged.set())
-        self._staging[first_missing] = future
+        self._staging[key] = future
         self._count("staged_reads")
         return False
+
+    def _stage_run(self, run: list[BlockHash]) -> int:
+        """On the stager thread: read `run` into the CPU tier; a block counts as a hit of the tier it came from when
+        the request loads it, not now (it may be evicted before)."""
+        fetched = self.fetch(run, count_hits=False)
+        if len(self._staged_from) > _S3_MISS_MEMORY:  # loads that never came (their requests left)
+            self._staged_from.clear()
+        for f in fetched:
+            if f.tier != "cpu" and f.slot is not None:
+                self._staged_from[f.block_hash] = f.tier
+        self.release(fetched)
+        self._count("staged_blocks", len(fetched))
+        return len(fetched)
 
     def wait_staged(self, timeout: float) -> None:
         """Block up to `timeout` seconds until a background read ends (the step loop has nothing else to do)."""
@@ -216,7 +239,7 @@ class KVTierStore:
     def staging(self) -> bool:
         return any(not f.done() for f in self._staging.values())
 
-    def fetch(self, block_hashes: Sequence[BlockHash]) -> list[FetchedBlock]:
+    def fetch(self, block_hashes: Sequence[BlockHash], *, count_hits: bool = True) -> list[FetchedBlock]:
         """The longest leading run of `block_hashes` found in the tiers, each pinned on the host until `load`.
 
         Never raises for a tier's failure: a block that cannot be had ends the run, and the rest is recomputed.
@@ -255,8 +278,9 @@ class KVTierStore:
                 out.append(self._promote(h, "s3", data))
             if len(out) > found:
                 self._measure("s3", (len(out) - found) * self.layout.block_bytes, time.perf_counter() - t0)
-        for f in out:
-            self._count(f"{f.tier}_hits")
+        if count_hits:
+            for f in out:
+                self._count(f"{self._staged_from.pop(f.block_hash, f.tier)}_hits")
         return out
 
     def load(self, fetched: Sequence[FetchedBlock], block_ids: Sequence[int]) -> None:

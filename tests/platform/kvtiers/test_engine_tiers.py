@@ -85,6 +85,8 @@ def test_greedy_output_is_identical_when_the_prefix_comes_from_a_tier(tier, refe
     assert llm.engine.kv_tiers.read_bandwidth()[source] > 0  # measured, for routing's fetch-vs-recompute price
     if tier == "disk-below-cpu":
         assert stats.get("cpu_hits", 0) == 0 and stats["cpu_blocks"] == 8
+        # Read in the background into the too-small CPU tier once (8 of the 10 blocks fit), the rest inline.
+        assert stats["staged_reads"] == 1 and stats["staged_blocks"] == PREFIX // BLOCK
     llm.engine.kv_tiers.close()
 
 
