@@ -23,6 +23,12 @@ lengths): gateway - in-process in each repeat, then the median over repeats; gat
 gateway hop alone, replica - in-process the replica's HTTP/SSE layer plus the client. The client runs on the
 same cores as the server, so its own parsing slows the HTTP paths too: CPU seconds per process are printed,
 and `--client raw` (httpx, json.loads per SSE line) shows how much of the loss is the openai client's.
+Where the engine's time goes (Linux): its step thread's seconds on a CPU, runnable but waiting for a core, and
+neither (waiting for the GIL, or for work), from /proc/PID/task/*/schedstat, in this process for in-process and
+in the replica otherwise. On a CPU is about the same on every path (the same steps); what the HTTP paths add
+to the wall time is the other two: waiting for a core while the client, the gateway and the replica's event
+loop (and anything else on the machine) run, and "neither", mostly the start: the openai client builds all
+its requests before the first goes out (~6 ms each here), and the engine is idle until one arrives.
 
 Threads: this process uses `torch.set_num_threads(--threads)`; `ember serve` has no threads flag, so the
 replica gets OMP_NUM_THREADS=--threads (torch's default thread count; the launcher then passes no --threads of
@@ -226,6 +232,7 @@ class Run:
     first_end: float  # perf_counter when its first request / last request finished
     last_end: float
     cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds each process used during the run
+    engine: dict[str, float] = field(default_factory=dict)  # the engine's step thread: see engine_thread()
 
     @property
     def tok_s(self) -> float:
@@ -249,9 +256,47 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
+def thread_times(pid: int) -> dict[int, tuple[float, float]]:
+    """Per thread of process `pid`: (seconds on a CPU, seconds runnable but waiting for one), from Linux's /proc
+    (schedstat; CPU from stat's ticks, and NaN waiting, where the kernel keeps no schedstats). Empty elsewhere."""
+    out: dict[int, tuple[float, float]] = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in tasks:
+        try:
+            on_cpu, waiting = (int(x) / 1e9 for x in (task / "schedstat").read_text().split()[:2])
+        except (OSError, ValueError):
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                on_cpu, waiting = (int(fields[11]) + int(fields[12])) / tick, math.nan
+            except (OSError, IndexError, ValueError):
+                continue
+        out[int(task.name)] = (on_cpu, waiting)
+    return out
+
+
+def engine_thread(before: dict[int, tuple[float, float]], after: dict[int, tuple[float, float]],
+                  wall: float) -> dict[str, float]:
+    """The engine's step thread during a run (the process's busiest thread): seconds on a CPU ("cpu"), runnable but
+    waiting for a core ("runq": other processes had both), and neither ("off": waiting for the GIL, or for work,
+    as before the first request arrives). In-process, cpu is about the whole wall time; over HTTP, what is not cpu
+    is what the serving path costs the engine."""
+    deltas = [(cpu - before.get(tid, (0.0, 0.0))[0], runq - before.get(tid, (0.0, 0.0))[1])
+              for tid, (cpu, runq) in after.items()]
+    if not deltas:
+        return {}
+    cpu, runq = max(deltas)
+    return {"cpu": cpu, "runq": runq, "off": wall - cpu - (0.0 if math.isnan(runq) else runq)}
+
+
 async def run_batch(submit: Submit, prompts: Sequence[list[int]], output_lens: Sequence[int],
-                    pids: dict[str, int] | None = None) -> Run:
+                    pids: dict[str, int] | None = None, engine_pid: int | None = None) -> Run:
+    """One batch, all requests at once; `engine_pid`: the process whose step thread to account (engine_thread)."""
     cpu0 = cpu_seconds(pids or {})
+    threads0 = thread_times(engine_pid) if engine_pid else {}
     t0 = time.perf_counter()
     timings = await asyncio.wait_for(
         asyncio.gather(*(submit(p, n, t0) for p, n in zip(prompts, output_lens, strict=True))), RUN_TIMEOUT_S)
@@ -260,8 +305,9 @@ async def run_batch(submit: Submit, prompts: Sequence[list[int]], output_lens: S
         if timing.tokens != n:
             raise RuntimeError(f"a request made {timing.tokens} tokens, not the {n} it asked for")
     cpu1 = cpu_seconds(pids or {})
+    engine = engine_thread(threads0, thread_times(engine_pid), wall) if engine_pid else {}
     return Run(wall, list(timings), os.getloadavg()[0], t0 + min(t.e2e for t in timings),
-               t0 + max(t.e2e for t in timings), {k: cpu1[k] - cpu0[k] for k in cpu0})
+               t0 + max(t.e2e for t in timings), {k: cpu1[k] - cpu0[k] for k in cpu0}, engine)
 
 
 async def settle_keepalive(previous: Run | None) -> float:
@@ -349,6 +395,44 @@ def raw_submit(client: Any, base_url: str, model: str) -> Submit:
         return timing
 
     return submit
+
+
+_NULL_SSE = (b'data: {"id":"cmpl-0","object":"text_completion","created":0,"model":"m","choices":[{"text":"x",'
+             b'"index":0,"logprobs":null,"finish_reason":"length"}],"usage":null}\n\ndata: [DONE]\n\n')
+
+
+async def client_startup(make_submit: Callable[[str], Submit], prompts: Sequence[list[int]],
+                         repeats: int = 3) -> float:
+    """Seconds from a batch's start until its first request reached a server that does nothing (median of
+    `repeats`): what the client alone spends before the engine can start. The openai client builds every request of
+    a batch (~6 ms each for a token-id prompt here) before it sends the first, and an in-process engine pays nothing
+    like it. `make_submit(base_url)` is the path's submit function against that server."""
+    arrivals: list[float] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        arrivals.append(time.perf_counter())
+        length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(_NULL_SSE), _NULL_SSE))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        submit = make_submit(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1")
+        firsts = []
+        for _ in range(repeats):
+            arrivals.clear()
+            t0 = time.perf_counter()
+            await asyncio.gather(*(submit(prompt, 1, t0) for prompt in prompts))
+            firsts.append(min(arrivals) - t0)
+        return median(firsts)
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 async def find_replica(gateway: str, model: str) -> tuple[str, list[dict[str, Any]]]:
@@ -463,19 +547,32 @@ async def bench(args: argparse.Namespace, server: Server, llm: Any, num_requests
                 prompts = workload.prompts(tokenizer, SEED + 100 * (r + 1) + PATHS.index(name))
                 if name != "in-process":
                     paused += await settle_keepalive(last[name])
-                run = last[name] = await run_batch(submits[name], prompts, workload.output_lens, pids)
+                engine_pid = os.getpid() if name == "in-process" else pids["replica"]
+                run = last[name] = await run_batch(submits[name], prompts, workload.output_lens, pids, engine_pid)
                 runs[name].append(run)
                 cpu = "  ".join(f"{k} {v:.2f}" for k, v in run.cpu.items())
+                eng = "  ".join(f"{k} {v:.2f}" for k, v in run.engine.items())
                 print(f"  repeat {r + 1}/{args.repeats} {name:<10} {run.tok_s:7.1f} tok/s  wall {run.wall:6.2f} s  "
-                      f"load {run.load:.2f}  CPU s: {cpu}", flush=True)
+                      f"load {run.load:.2f}  CPU s: {cpu}  engine thread s: {eng}", flush=True)
         _, replicas_after = await find_replica(gateway, model)
+
+        # The same batch's requests against a server that answers at once: when the first leaves the client.
+        def make_submit(base_url: str) -> Submit:
+            if args.client == "raw":
+                return raw_submit(raw_client, base_url, "m")
+            null_client = openai.AsyncOpenAI(base_url=base_url, **client_kwargs)
+            clients.append(null_client)
+            return openai_submit(null_client, "m")
+
+        startup = await client_startup(make_submit, workload.prompts(tokenizer, SEED))
     finally:
         for client in clients:
             with contextlib.suppress(Exception):
                 await (client.aclose() if isinstance(client, httpx.AsyncClient) else client.close())
         aengine.shutdown()
     return {"runs": runs, "workload": workload, "agreement": agreement, "replica_url": replica_url,
-            "replicas": len(replicas_after), "model_name": model, "keepalive_pauses_s": round(paused, 1)}
+            "replicas": len(replicas_after), "model_name": model, "keepalive_pauses_s": round(paused, 1),
+            "client_startup_s": startup}
 
 
 def report(args: argparse.Namespace, out: dict[str, Any], num_requests: int) -> dict[str, Any]:
@@ -517,6 +614,19 @@ def report(args: argparse.Namespace, out: dict[str, Any], num_requests: int) -> 
     print_table(["path", *procs, "total", "wall s"],
                 [[labels[name], *(f"{cpu[name][p]:.2f}" for p in procs), f"{sum(cpu[name].values()):.2f}",
                   f"{median(r.wall for r in runs[name]):.2f}"] for name in PATHS])
+    engine = {name: {k: median(r.engine.get(k, math.nan) for r in runs[name]) for k in ("cpu", "runq", "off")}
+              for name in PATHS}
+    med_wall = {name: median(r.wall for r in runs[name]) for name in PATHS}
+    print("\nthe engine's step thread, seconds per run (median): on a CPU; runnable but waiting for a core (the "
+          "client, the gateway, the replica's event loop or anything else on the machine had both); neither (waiting "
+          "for the GIL, or for requests: over HTTP the first arrives only once the client has built all of them):")
+    print_table(["path", "on CPU", "waiting for a core", "neither", "wall s"],
+                [[labels[name], *(f"{engine[name][k]:.2f}" for k in ("cpu", "runq", "off")),
+                  f"{median(r.wall for r in runs[name]):.2f}"] for name in PATHS])
+    startup = out["client_startup_s"]
+    print(f"\nclient start-up: a batch's first request leaves the {args.client} client {1e3 * startup:.0f} ms after "
+          f"the batch starts (median of 3, against a server that answers at once): {startup / med_wall['gateway']:.1%} "
+          "of the gateway path's median wall time, none of it the server's")
     met = ratio >= TARGET
     print(f"\nratio gateway/in-process output tok/s: {ratio:.3f} (pairs {', '.join(f'{x:.3f}' for x in pair_ratios)});"
           f" target >= {TARGET}: {'met' if met else 'MISSED'}; replica direct/in-process "
@@ -536,6 +646,8 @@ def report(args: argparse.Namespace, out: dict[str, Any], num_requests: int) -> 
         "pair_ratios": [round(x, 3) for x in pair_ratios],
         "added_ms": {key: {stat: round(median(v), 1) for stat, v in stats.items()} for key, stats in added_ms.items()},
         "cpu_s": {name: {p: round(v, 2) for p, v in cpu[name].items()} for name in PATHS},
+        "engine_thread_s": {name: {k: round(v, 2) for k, v in engine[name].items()} for name in PATHS},
+        "client_startup_ms": round(1e3 * startup, 1),
         "wall_s": {name: [round(r.wall, 3) for r in runs[name]] for name in PATHS},
         "e2e_ms_median": {name: round(median(latency_ms(runs[name], "e2e", median)), 1) for name in PATHS},
         "ttft_ms_median": {name: round(median(latency_ms(runs[name], "ttft", median)), 1) for name in PATHS},

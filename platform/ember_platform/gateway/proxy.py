@@ -27,6 +27,7 @@ from ember_platform.control.deployments import Deployment, Replica
 from ember_platform.control.plane import ControlPlane, NoReplicaAvailable
 from ember_platform.gateway.errors import ProtocolError
 from ember_platform.gateway.metrics import GatewayMetrics
+from ember_platform.gateway.upstream import upstream_transport
 
 logger = logging.getLogger("ember.gateway")
 
@@ -85,8 +86,8 @@ class Proxy:
         self.chooser = chooser or RoundRobin()
         self.connect_timeout = connect_timeout
         # Streams hold their connection for as long as they run: no pool limit, the replicas queue themselves.
-        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
-                                                            keepalive_expiry=POOL_KEEPALIVE_S))
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=POOL_KEEPALIVE_S)
+        self.client = httpx.AsyncClient(transport=upstream_transport(limits), limits=limits)
 
     async def aclose(self) -> None:
         await self.client.aclose()

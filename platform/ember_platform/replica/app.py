@@ -421,7 +421,11 @@ def _stream_error(e: Exception) -> bytes:
 async def _events(replica: Replica, stream: ChatStream | CompletionStream, prompts: list[list[int]],
                   params: list[SamplingParams], cache_salt: str | None,
                   adapter: str | None = None) -> AsyncIterator[bytes]:
-    """The SSE body of a streamed response; cancelled (client gone) it aborts the engine requests."""
+    """The SSE body of a streamed response; cancelled (client gone) it aborts the engine requests.
+
+    One write per engine output (all of its chunks), and the last one carries `[DONE]` too: each write is a send on
+    the socket here, a read and a forward in the gateway and a read in the client.
+    """
     if isinstance(stream, ChatStream):
         for chunk in stream.start():
             yield sse(chunk)
@@ -430,13 +434,15 @@ async def _events(replica: Replica, stream: ChatStream | CompletionStream, promp
                                                   lora_name=adapter)) as outputs:
             async for index, out in outputs:
                 chunks = stream.add(out) if isinstance(stream, ChatStream) else stream.add(out, index)
-                if chunks:  # one write for all of an output's chunks: each write is a syscall, and a GIL hand-off
-                    yield b"".join(sse(chunk) for chunk in chunks)
                 if stream.done:
-                    break
+                    yield b"".join(map(sse, chunks)) + SSE_DONE
+                    return
+                if chunks:
+                    yield b"".join(map(sse, chunks))
     except Exception as e:
-        yield _stream_error(e)
-    yield SSE_DONE
+        yield _stream_error(e) + SSE_DONE
+        return
+    yield SSE_DONE  # the engine's outputs ended without finishing every choice (not expected)
 
 
 async def _generate(request: Request, replica: Replica, data: dict[str, Any] | bytes, prompts: list[list[int]],

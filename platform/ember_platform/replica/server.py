@@ -32,6 +32,13 @@ SHUTDOWN_GRACE_SECONDS = 2.0
 # How long an idle keep-alive connection stays open: longer than the gateway keeps one in its pool
 # (gateway/proxy.py POOL_KEEPALIVE_S), so that it is the gateway that drops it, never a replica as a request arrives.
 KEEPALIVE_SECONDS = 75.0
+# asyncio's event loop, not uvloop, even where uvloop is installed (the gateway uses it): the engine's step thread
+# shares this process's GIL with the loop, and uvloop makes its socket writes holding the GIL (asyncio releases it
+# around each send) and takes the GIL back for every libuv callback. With uvloop here the step thread was off its
+# core ~0.05 s more per bench_gateway.py run (32 streams, ~3.5 s) and throughput was ~3% lower, though the loop itself
+# spent less CPU. The HTTP parser is httptools when installed (C, no I/O of its own), else h11. No access log below
+# debug either: the gateway logs every request, and here each line cost the loop ~1-2 ms (formatting and a write).
+EVENT_LOOP = "asyncio"
 
 T = TypeVar("T")
 
@@ -163,7 +170,8 @@ def serve(replica: Replica, *, host: str = "127.0.0.1", port: int = 0, drain_tim
           log_level: str = "info", redis_url: str | None = None) -> int:
     """Serve a replica until drained; returns the process exit code (0 after a drain, 1 if loading failed)."""
     config = uvicorn.Config(create_app(replica), host=host, port=port, log_level=log_level, lifespan="off",
-                            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS, timeout_keep_alive=KEEPALIVE_SECONDS)
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS, timeout_keep_alive=KEEPALIVE_SECONDS,
+                            loop=EVENT_LOOP, http="auto", access_log=log_level in ("debug", "trace"))
     server = ReplicaServer(config, replica, drain_timeout=drain_timeout, redis_url=redis_url)
     server.run()
     return server.exit_code
