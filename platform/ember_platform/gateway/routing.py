@@ -57,7 +57,7 @@ log = logging.getLogger("ember.gateway.routing")
 LEASE_S = 30.0
 REMOTE_REFRESH_S = 0.25  # how old the list of other gateways' replicas may be before a background refresh
 REMOTE_STALE_S = 10.0  # how long that list stays in use while the tables cannot be read
-OUTAGE_BACKOFF_S = 5.0  # after the tables failed to answer, leave them alone this long
+OUTAGE_BACKOFF_S = 2.0  # after the tables failed to answer, leave them alone this long (routing by load meanwhile)
 # Requests a replica is sent at once before the router prefers waiting elsewhere; engines queue beyond
 # max_num_seqs themselves, so the embedded gateway does not cap it (the load scorer prices the queueing).
 UNCAPPED = 1 << 20
