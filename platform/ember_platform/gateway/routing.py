@@ -96,12 +96,6 @@ class KVAwareChooser:
             return self._choose(deployment, candidates, body, request_id)
         return await asyncio.to_thread(self._choose, deployment, candidates, body, request_id)
 
-    def prefilled(self, request_id: str) -> None:
-        """The request's first token is out: its prompt no longer counts as work pending on its replica."""
-        reservation = self._reservations.get(request_id)
-        if reservation is not None and (self.observe_routing or time.monotonic() >= self._down_until):
-            self._off_loop(reservation.prefilled, "recording a prefill as done")  # an optimization: not in outages
-
     def release(self, request_id: str) -> None:
         reservation = self._reservations.pop(request_id, None)
         if reservation is not None:
