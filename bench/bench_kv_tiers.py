@@ -150,6 +150,18 @@ def run(args: argparse.Namespace, tmp: Path, endpoint: str | None, bucket: str |
 
     b_turns = iter(range(1 << 30))
 
+    def timed(target: Any, tiers: KVTierStore | None, side: str, prefix: list[int]) -> tuple[float, int]:
+        """TTFT of prefix + a fresh suffix on `target` (an engine) with `tiers` attached, its device cache emptied;
+        checks that the whole prefix was reused (or, with no tiers, none of it)."""
+        assert target.kv.pool.reset_prefix_cache(), "blocks still in use after a request finished"
+        target.kv.drain_events()
+        target.kv.tiers = tiers
+        timing = run_engine(target, [prefix + random_code_tokens(tok, suffix, rng)], first_token)[0]
+        expected = 0 if tiers is None else (len(prefix) // block) * block
+        if timing.cached_tokens != expected:
+            raise RuntimeError(f"{side}: {timing.cached_tokens} prefix tokens reused, expected {expected}")
+        return timing.ttft, timing.cached_tokens
+
     def one_prefix(length: int, sides: list[str], with_b: bool = False) -> dict[str, tuple[float, int]]:
         """Compute a fresh prefix once (written through), then time each side on it with a fresh suffix."""
         prefix = random_code_tokens(tok, length, rng)
@@ -157,28 +169,12 @@ def run(args: argparse.Namespace, tmp: Path, endpoint: str | None, bucket: str |
         run_engine(engine, [prefix + random_code_tokens(tok, suffix, rng)], first_token)
         if not writer.flush(120):
             raise RuntimeError("the disk/S3 writers did not finish in 120 s")
-        out = {}
-        for side in sides:
-            assert engine.kv.pool.reset_prefix_cache(), "blocks still in use after a request finished"
-            engine.kv.drain_events()
-            engine.kv.tiers = readers[side]
-            timing = run_engine(engine, [prefix + random_code_tokens(tok, suffix, rng)], first_token)[0]
-            expected = 0 if side == "recompute" else (length // block) * block
-            if timing.cached_tokens != expected:
-                raise RuntimeError(f"{side}: {timing.cached_tokens} prefix tokens reused, expected {expected}")
-            out[side] = (timing.ttft, timing.cached_tokens)
+        out = {side: timed(engine, readers[side], side, prefix) for side in sides}
         engine.kv.tiers = writer
         if replica_b is not None and with_b:
             b_tiers = replica_b.kv_tiers
             for side in (["b-recompute", "b-s3"] if next(b_turns) % 2 == 0 else ["b-s3", "b-recompute"]):
-                assert replica_b.kv.pool.reset_prefix_cache(), "blocks still in use on replica B"
-                replica_b.kv.drain_events()
-                replica_b.kv.tiers = b_tiers if side == "b-s3" else None
-                timing = run_engine(replica_b, [prefix + random_code_tokens(tok, suffix, rng)], first_token)[0]
-                expected = 0 if side == "b-recompute" else (length // block) * block
-                if timing.cached_tokens != expected:
-                    raise RuntimeError(f"{side}: {timing.cached_tokens} prefix tokens reused, expected {expected}")
-                out[side] = (timing.ttft, timing.cached_tokens)
+                out[side] = timed(replica_b, b_tiers if side == "b-s3" else None, side, prefix)
             replica_b.kv.tiers = b_tiers
         return out
 
