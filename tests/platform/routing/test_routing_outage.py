@@ -13,7 +13,7 @@ from pathlib import Path
 from ember.manifest import load_manifest
 from ember.plugins import PluginHost
 from ember_platform.control.deployments import Deployment, DeploymentVersion, PullRecord, Replica, ReplicaState
-from ember_platform.gateway.routing import OUTAGE_BACKOFF_S, REMOTE_REFRESH_S, KVAwareChooser
+from ember_platform.gateway.routing import REMOTE_REFRESH_S, KVAwareChooser
 from ember_platform.routing import ReplicaLoad, ReplicaRecord, Router, RouterConfig
 from ember_platform.routing.redis_tables import RedisTables
 
@@ -68,13 +68,13 @@ def test_a_hung_redis_never_blocks_the_event_loop(own_redis, namespace: str, sco
                 assert replica in (local, *remote)
                 chooser.release(f"after-{i}")
             assert time.monotonic() - t0 < 0.5  # backing off: no request waits on the tables again
-            assert first < OUTAGE_BACKOFF_S
+            assert first < 5.0  # one read timing out with its retries (4 x 0.3 s here), not a hang
         finally:
             own_redis.process.send_signal(signal.SIGCONT)
             ticker.cancel()
         return max(gaps)
 
     worst_gap = asyncio.run(scenario())
-    assert worst_gap < 0.25, f"the event loop stalled {worst_gap:.2f} s on the hung Redis"
+    assert worst_gap < 0.5, f"the event loop stalled {worst_gap:.2f} s on the hung Redis"  # one blocking call: >1 s
     tables.close()
     replica_side.close()
