@@ -16,6 +16,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = ("paged_attention.c", "int8_linear.c", "dense_linear.c")
+HEADERS = ("simd.h",)  # included by the sources: part of the cache key
 # -march=native: the library is built on the machine that runs it (the cache key includes the CPU).
 # No -ffast-math: it would let the compiler drop the -inf handling the softmax relies on.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
@@ -46,7 +47,8 @@ def _build(compiler: str) -> Path:
     here = Path(__file__).parent
     sources = [here / name for name in SOURCES]
     digest = hashlib.sha256()
-    for part in (compiler, *FLAGS, _cpu_signature(), *(s.read_text() for s in sources)):
+    for part in (compiler, *FLAGS, _cpu_signature(), *(s.read_text() for s in sources),
+                 *((here / h).read_text() for h in HEADERS)):
         digest.update(part.encode() + b"\0")
     target = _cache_dir() / digest.hexdigest()[:24] / "libember_cpu.so"
     if target.is_file():

@@ -37,15 +37,9 @@ static inline float wscalar(const void *w, int64_t i, const int bf16) {
     return ((const float *)w)[i];
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "simd.h"
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#if defined(__AVX2__) && defined(__FMA__)
 
 static inline __m256 wload(const void *w, int64_t i, const int bf16) {
     if (bf16)

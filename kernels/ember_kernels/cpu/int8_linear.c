@@ -17,15 +17,9 @@
 #define NB 16 /* output rows per work item */
 #define MG 4  /* activation rows per pass over a weight row: 4 accumulators + 4 widened weights fit in registers */
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "simd.h"
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#if defined(__AVX2__) && defined(__FMA__)
 
 static inline __m256 widen8(const int8_t *w) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
