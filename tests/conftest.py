@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -210,3 +212,30 @@ def aws_sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def dead_endpoint() -> str:
     """An endpoint URL on a loopback port that nothing listens on (connection refused at once)."""
     return f"http://127.0.0.1:{free_port()}"
+
+
+def stop_serve(process: subprocess.Popen | None, replica_pids: set[int], home: Path) -> None:
+    """Stop an `ember serve` process (SIGTERM: it drains its replicas), then SIGKILL any of its replicas still there:
+    a failed test must not leave replicas behind. Only processes that are replicas under `home` are killed, never
+    another that may have taken a pid since."""
+    if process is not None and process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+    for pid in replica_pids:
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "ember_platform.replica" in command and str(home) in command:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(name="stop_serve", scope="session")
+def stop_serve_fixture() -> Callable[[subprocess.Popen | None, set[int], Path], None]:
+    """stop_serve(process, replica_pids, home): see `stop_serve` (a fixture: test modules cannot import conftests)."""
+    return stop_serve

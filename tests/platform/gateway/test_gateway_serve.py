@@ -4,7 +4,6 @@ later ones change the deployment (replica count, versions) on purpose."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -105,7 +104,7 @@ def read_ready_url(process: subprocess.Popen[str], log: Path, timeout: float) ->
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def served(tmp_path_factory: pytest.TempPathFactory, stop_serve: Callable[..., None]) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("serve")
     env = {**os.environ, "EMBER_HOME": str(tmp / "home"), "EMBER_REGISTRY": str(tmp / "registry"),
            "EMBER_CACHE": str(tmp / "cache"), "EMBER_ADMIN_KEY": ADMIN_KEY, "OMP_NUM_THREADS": "1",
@@ -124,25 +123,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         server.deployment()
         yield server
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        for pid in server.pids:  # a failed test must not leave replicas behind
-            kill_if_ours(pid, server.home)
-
-
-def kill_if_ours(pid: int, home: Path) -> None:
-    """SIGKILL a replica this module started, and nothing else that may have taken its pid since."""
-    try:
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return
-    if "ember_platform.replica" in command and str(home) in command:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        stop_serve(process, server.pids, server.home)
 
 
 def chat(client: openai.OpenAI, content: str = "Hello", **kwargs: Any) -> Any:

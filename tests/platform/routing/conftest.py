@@ -6,7 +6,6 @@ helpers through fixtures (`start_topology`, `wait_until`), as tests/conftest.py 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import re
@@ -194,8 +193,10 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
 class Gateway:
     """`ember serve PACKAGE --redis-url URL` in a subprocess with its own home, registry and cache."""
 
-    def __init__(self, name: str, package: Path, workdir: Path, redis_url: str) -> None:
+    def __init__(self, name: str, package: Path, workdir: Path, redis_url: str,
+                 stop_serve: Callable[..., None]) -> None:
         self.name = name
+        self._stop_serve = stop_serve  # tests/conftest.py's, through its fixture
         self.package = package
         self.home = workdir / name / "home"
         self.log_path = workdir / name / "serve.log"
@@ -265,26 +266,7 @@ class Gateway:
         return float(match.group(1)) if match else 0.0
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        for pid in self.pids:  # a failed test must not leave replicas behind
-            kill_if_ours(pid, self.home)
-
-
-def kill_if_ours(pid: int, home: Path) -> None:
-    """SIGKILL a replica of this gateway, and nothing else that may have taken its pid since."""
-    try:
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return
-    if "ember_platform.replica" in command and str(home) in command:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        self._stop_serve(self.process, self.pids, self.home)
 
 
 class Topology:
@@ -329,7 +311,8 @@ def wait_until_fixture() -> Callable[..., Any]:
 
 
 @pytest.fixture
-def start_topology(own_redis: RedisServer, tmp_path: Path) -> Iterator[Callable[..., Topology]]:
+def start_topology(own_redis: RedisServer, tmp_path: Path,
+                   stop_serve: Callable[..., None]) -> Iterator[Callable[..., Topology]]:
     """start_topology(replicas, adapters=None, manifest_extra="") -> a `Topology` on `own_redis`, each gateway with its
     own copy of the package (`package_copy`): A with `replicas` replicas, B with none. Returns once both gateways are
     ready and A's replicas are in the routing tables; stops both, and kills their replicas, after the test."""
@@ -337,8 +320,9 @@ def start_topology(own_redis: RedisServer, tmp_path: Path) -> Iterator[Callable[
 
     def start(replicas: int, **package_options: Any) -> Topology:
         a = Gateway("a", package_copy(tmp_path / "pkg-a", replicas=replicas, **package_options), tmp_path,
-                    own_redis.url)
-        b = Gateway("b", package_copy(tmp_path / "pkg-b", replicas=0, **package_options), tmp_path, own_redis.url)
+                    own_redis.url, stop_serve)
+        b = Gateway("b", package_copy(tmp_path / "pkg-b", replicas=0, **package_options), tmp_path, own_redis.url,
+                    stop_serve)
         topo = Topology(a, b, own_redis.url)
         started.append(topo)
         a.launch().wait_ready()
