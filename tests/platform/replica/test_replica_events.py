@@ -3,32 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from ember_platform.engine.outputs import RequestOutput as Output
+from ember_platform.engine.outputs import Usage
 from ember_platform.gateway.responses import SSE_DONE, ChatStream, CompletionStream
 from ember_platform.replica.app import _events
-
-
-@dataclasses.dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-
-
-@dataclasses.dataclass
-class Output:  # the engine's RequestOutput, by attribute (its module imports torch)
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    stop_reason: Any
-    usage: Usage
-    logprobs: Any = None
 
 
 class FakeReplica:
