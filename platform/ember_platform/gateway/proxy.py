@@ -55,6 +55,10 @@ class ReplicaChooser(Protocol):
         """The replica for this request; whatever it reserves is held until `release(request_id)`."""
         ...
 
+    def prefilled(self, request_id: str) -> None:
+        """The replica's first bytes of the response came back: the request is past its prefill."""
+        ...
+
     def release(self, request_id: str) -> None:
         """The request ended (or its attempt failed): give back what `achoose` reserved for it."""
         ...
@@ -73,6 +77,9 @@ class RoundRobin:
                       request_id: str) -> Replica:
         counter = self._counters.setdefault(deployment.name, itertools.count())
         return candidates[next(counter) % len(candidates)]
+
+    def prefilled(self, request_id: str) -> None:
+        pass
 
     def release(self, request_id: str) -> None:
         pass
@@ -163,7 +170,8 @@ class Proxy:
             if response is not None:
                 self.metrics.upstream_latency.labels(name).observe(time.monotonic() - sent)
                 return UpstreamResponse(response, replica,
-                                        self._finisher(name, endpoint, replica, received_at, request_id))
+                                        self._finisher(name, endpoint, replica, received_at, request_id),
+                                        on_first_chunk=lambda: self.chooser.prefilled(request_id))
             self.metrics.upstream_retries.labels(name).inc()
             candidates = [r for r in await self._candidates(name, wait=False) if r.id not in tried]
             if not candidates:
@@ -214,10 +222,12 @@ def _retry_after(response: httpx.Response) -> float | None:
 class UpstreamResponse:
     """An ASGI response that relays an open httpx stream as it arrives, and closes it when the client leaves."""
 
-    def __init__(self, upstream: httpx.Response, replica: Replica, on_finish: Callable[[int], None]) -> None:
+    def __init__(self, upstream: httpx.Response, replica: Replica, on_finish: Callable[[int], None], *,
+                 on_first_chunk: Callable[[], None] | None = None) -> None:
         self.upstream = upstream
         self.replica = replica
         self.on_finish = on_finish
+        self.on_first_chunk = on_first_chunk
         self.status_code = upstream.status_code
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
@@ -243,7 +253,11 @@ class UpstreamResponse:
 
     async def _relay(self, send: Callable, headers: list[tuple[bytes, bytes]]) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
+        first, self.on_first_chunk = self.on_first_chunk, None
         async for chunk in self.upstream.aiter_raw():
+            if first is not None:  # a streamed answer's first token (a whole one's end): the prefill is over
+                first()
+                first = None
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

@@ -96,6 +96,13 @@ class KVAwareChooser:
             return self._choose(deployment, candidates, body, request_id)
         return await asyncio.to_thread(self._choose, deployment, candidates, body, request_id)
 
+    def prefilled(self, request_id: str) -> None:
+        """The request's first bytes came back: its prompt no longer counts as prefill pending on its replica
+        (only where the `load` scorer prices pending prefill; otherwise there is nothing to undo)."""
+        reservation = self._reservations.get(request_id)
+        if reservation is not None and reservation.pending_work:
+            self._off_loop(reservation.prefilled, "recording a prefill as done")
+
     def release(self, request_id: str) -> None:
         reservation = self._reservations.pop(request_id, None)
         if reservation is not None:

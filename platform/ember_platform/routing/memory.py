@@ -149,7 +149,8 @@ class InProcessTables(RoutingTables):
             if slot.candidate.work > 0:
                 entry.work[token] = slot.candidate.work
             return Reservation(model, entry.record.replica_id, entry.record.url, token, slot.num_in_flight + 1,
-                               total_cost(slot), 0, _release=self._release, _prefilled=self._prefilled)
+                               total_cost(slot), 0, slot.candidate.work, _release=self._release,
+                               _prefilled=self._prefilled)
 
     def _release(self, reservation: Reservation) -> None:
         with self._lock:

@@ -201,6 +201,7 @@ class Reservation:
     num_in_flight: int       # on that replica, this reservation included
     cost: float
     num_cached_blocks: int
+    pending_work: float = 0.0  # prompt tokens counted as pending prefill on the replica until `prefilled()`
     _release: Callable[[Reservation], None] | None = field(default=None, repr=False)
     _prefilled: Callable[[Reservation], None] | None = field(default=None, repr=False)
 
@@ -214,7 +215,7 @@ class Reservation:
     def prefilled(self) -> None:
         """The request's first token arrived: its prompt no longer delays others on the replica (idempotent)."""
         prefilled, self._prefilled = self._prefilled, None
-        if prefilled is not None and self._release is not None:
+        if prefilled is not None and self._release is not None and self.pending_work:
             prefilled(self)
 
     def __enter__(self) -> Reservation:

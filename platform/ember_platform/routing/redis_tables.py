@@ -151,7 +151,7 @@ return out
 
 # ARGV: ns, model, token, hold ms, abs threshold, rel threshold, then (id, cost, per_request, per_queued,
 # per_pending, work) per candidate. The same rule as tables.pick(), which is its reference. Returns
-# {'ok', id, in_flight, cost, url}, {'none'} or {'busy'}.
+# {'ok', id, in_flight, cost, url, work}, {'none'} or {'busy'}.
 _RESERVE = _NOW + """
 local ns, model, token = ARGV[1], ARGV[2], ARGV[3]
 local hold, abs, rel = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -168,7 +168,7 @@ for i = 7, #ARGV, 6 do
       local mine = redis.call('ZSCORE', held, token)
       if mine then
         -- a retry of a call whose reply was lost: it already holds a slot here
-        return {'ok', id, redis.call('ZCARD', held), '0', f[4]}
+        return {'ok', id, redis.call('ZCARD', held), '0', f[4], '0'}
       end
       local lapsed = redis.call('ZRANGEBYSCORE', held, '-inf', now)
       if #lapsed > 0 then
@@ -203,7 +203,8 @@ if best.mywork > 0 then
   redis.call('HSET', best.work, token, string.format('%.17g', best.mywork))
   if redis.call('PTTL', best.work) < hold then redis.call('PEXPIRE', best.work, hold) end
 end
-return {'ok', best.id, best.load + 1, string.format('%.17g', best_cost), best.url}
+return {'ok', best.id, best.load + 1, string.format('%.17g', best_cost), best.url,
+        string.format('%.17g', best.mywork)}
 """
 
 
@@ -326,7 +327,7 @@ class RedisTables(RoutingTables):
         if status == "busy":
             raise ReplicasBusy(f"every ready replica of '{model}' is at capacity")
         return Reservation(model, reply[1].decode(), reply[4].decode(), token, int(reply[2]), float(reply[3]), 0,
-                           _release=self._release, _prefilled=self._prefilled)
+                           float(reply[5]), _release=self._release, _prefilled=self._prefilled)
 
     def _prefilled(self, reservation: Reservation) -> None:
         try:

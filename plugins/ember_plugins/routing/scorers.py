@@ -8,7 +8,7 @@
 * `load` — a small cost per request in flight (decode slows a little with every sequence in the batch), a large
   one for a request that would queue behind a full batch, the tokens whose KV would not fit in free blocks, and
   optionally (`pending_cost`, off by default) the prompt tokens the replica has yet to prefill for requests already
-  routed to it (counted until `Reservation.prefilled()`; the gateway does not call it yet, so until each ends).
+  routed to it (counted until the gateway sees the first bytes of each one's response).
   bench_routing.py measured it off against on (1.0): 3.06x against 2.28x more prompt tokens from cache than round
   robin, 2.34x against 1.15x lower mean TTFT. Diverting a request from the replica that holds
   its prefix costs another replica's cache a prefix, and chunked prefill overlaps the wait it was meant to avoid.

@@ -78,3 +78,26 @@ def test_a_hung_redis_never_blocks_the_event_loop(own_redis, namespace: str, sco
     assert worst_gap < 0.5, f"the event loop stalled {worst_gap:.2f} s on the hung Redis"  # one blocking call: >1 s
     tables.close()
     replica_side.close()
+
+
+def test_a_response_s_first_bytes_end_its_pending_prefill(scorer_host: PluginHost) -> None:
+    """With the load scorer pricing pending prefill, a reservation's prompt counts against its replica until the
+    gateway sees the first bytes of the response (`prefilled`), not until the response ends."""
+    from ember_platform.routing.memory import InProcessTables
+
+    dep, local = deployment()
+    tables = InProcessTables()
+    config = RouterConfig.from_mapping({"options": {"load": {"pending_cost": 1.0}}})
+    chooser = KVAwareChooser(Router.from_config(tables, config, host=scorer_host), observe_routing=True)
+
+    async def scenario() -> None:
+        await chooser.achoose(dep, [local], BODY, "r1")
+        reservation = chooser._reservations["r1"]
+        assert reservation.pending_work > 0  # nothing cached: the whole prompt is pending
+        assert tables._replicas[local.id].work == {reservation.token: reservation.pending_work}
+        chooser.prefilled("r1")
+        assert tables._replicas[local.id].work == {}
+        assert local.id in {v.replica_id for v in tables.snapshot(dep.name) if v.num_in_flight == 1}  # still held
+        chooser.release("r1")
+
+    asyncio.run(scenario())

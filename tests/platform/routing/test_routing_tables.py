@@ -201,7 +201,7 @@ def test_pending_prefill_delays_a_replica_until_the_first_token(make_tables: Mak
                 Candidate("b", cost=cost_b, per_pending=1.0, work=10.0 + cost_b)]
 
     long_miss = tables.reserve("m", [Candidate("a", per_pending=1.0, work=1000.0)], balance=Balance())
-    assert long_miss.replica_id == "a"
+    assert long_miss.replica_id == "a" and long_miss.pending_work == 1000.0
     behind = tables.reserve("m", offer(500.0), balance=Balance())
     assert (behind.replica_id, behind.cost) == ("b", 500.0)  # 500 tokens here beat waiting for a's 1,000
     long_miss.prefilled()  # its first token: "a" is free to prefill again
