@@ -235,10 +235,6 @@ class KVTierStore:
             self._staged.wait(timeout)
         self._staged.clear()
 
-    @property
-    def staging(self) -> bool:
-        return any(not f.done() for f in self._staging.values())
-
     def fetch(self, block_hashes: Sequence[BlockHash], *, count_hits: bool = True) -> list[FetchedBlock]:
         """The longest leading run of `block_hashes` found in the tiers, each pinned on the host until `load`.
 

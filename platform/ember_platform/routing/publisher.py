@@ -135,11 +135,6 @@ class ReplicaPublisher:
             return frozenset(self._blocks)
 
     @property
-    def block_tiers(self) -> dict[bytes, int]:
-        with self._lock:
-            return dict(self._blocks)
-
-    @property
     def in_sync(self) -> bool:
         return self._in_sync
 
