@@ -125,7 +125,8 @@ dtype = "float32"       # the checkpoint's own dtype: the CPU runs it without ca
 max_model_len = {MAX_POSITIONS}    # the model's max_position_embeddings: the longest context it has RoPE for
 kv_block_size = 16      # tokens per KV-cache block: prefix caching shares whole blocks only, so small
                         # blocks share more of a common prompt; 16 keeps block tables short too
-max_num_seqs = 32       # a tiny model decodes many sequences per step cheaply
+max_num_seqs = 64       # a tiny model decodes many sequences per step cheaply: at 64 rather than 32 the
+                        # mixed-workload bench ran ~20% faster (per-step costs shared by twice the rows)
 
 [scaling]
 min_replicas = 0        # scale to zero when idle: a {num_params * 4 / 1e6:.0f} MB model reloads in well under a second

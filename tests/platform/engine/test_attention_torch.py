@@ -47,43 +47,45 @@ class Step:
 
 
 def make_step(query_lens: list[int], seq_lens: list[int], num_heads: int = 8, num_kv_heads: int = 2,
-              dtype: torch.dtype = torch.float32, seed: int = 0) -> Step:
+              dtype: torch.dtype = torch.float32, seed: int = 0, head_dim: int = HEAD_DIM,
+              block_size: int = BLOCK_SIZE) -> Step:
     """Random contexts in a cache whose blocks are shuffled and interleaved between requests.
 
     Earlier context is already in the cache; this step's k/v are not (the backend writes them).
     Every other slot holds finite garbage, so anything the backend fails to mask shows up.
     """
     gen = torch.Generator().manual_seed(seed)
-    blocks_needed = [math.ceil(s / BLOCK_SIZE) for s in seq_lens]
+    blocks_needed = [math.ceil(s / block_size) for s in seq_lens]
     num_blocks = sum(blocks_needed) + 5
     ids = torch.randperm(num_blocks, generator=gen).tolist()
-    shape = (num_blocks, *kv_cache_block_shape(BLOCK_SIZE, num_kv_heads, HEAD_DIM))
+    shape = (num_blocks, *kv_cache_block_shape(block_size, num_kv_heads, head_dim))
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
     tables, contexts, qs, ks, vs = [], [], [], [], []
     for q_len, seq_len, n in zip(query_lens, seq_lens, blocks_needed, strict=True):
         table, ids = ids[:n], ids[n:]
         tables.append(table)
-        keys = torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
-        values = torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+        keys = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        values = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
         for pos in range(seq_len - q_len):
-            k_cache[table[pos // BLOCK_SIZE], :, pos % BLOCK_SIZE] = keys[pos]
-            v_cache[table[pos // BLOCK_SIZE], :, pos % BLOCK_SIZE] = values[pos]
+            k_cache[table[pos // block_size], :, pos % block_size] = keys[pos]
+            v_cache[table[pos // block_size], :, pos % block_size] = values[pos]
         contexts.append((keys, values))
-        qs.append(torch.randn(q_len, num_heads, HEAD_DIM, generator=gen).to(dtype))
+        qs.append(torch.randn(q_len, num_heads, head_dim, generator=gen).to(dtype))
         ks.append(keys[seq_len - q_len:])
         vs.append(values[seq_len - q_len:])
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
     return Step(torch.cat(qs), torch.cat(ks), torch.cat(vs), (k_cache, v_cache), meta, contexts)
 
 
 def check(step: Step, backend: TorchPagedAttention, atol: float) -> float:
     """Run the backend; compare every request's output and the cache writes. Returns the max error."""
-    scale = HEAD_DIM**-0.5
+    k_cache, v_cache = step.kv_cache
+    block_size, head_dim = k_cache.shape[2], k_cache.shape[3]
+    scale = head_dim**-0.5
     out = backend.forward(step.q, step.k, step.v, step.kv_cache, step.meta, scale)
     assert out.shape == step.q.shape and out.dtype == step.q.dtype
-    k_cache, v_cache = step.kv_cache
-    blocks, offsets = step.meta.slot_mapping // BLOCK_SIZE, step.meta.slot_mapping % BLOCK_SIZE
+    blocks, offsets = step.meta.slot_mapping // block_size, step.meta.slot_mapping % block_size
     torch.testing.assert_close(k_cache[blocks, :, offsets], step.k, rtol=0, atol=0)
     torch.testing.assert_close(v_cache[blocks, :, offsets], step.v, rtol=0, atol=0)
     worst, start = 0.0, 0
@@ -143,6 +145,39 @@ def test_every_request_through_the_batched_path(native: bool, window: int | None
     backend = TorchPagedAttention(max_batched_query_len=64, chunk_elements=3 * 2 * BLOCK_SIZE * HEAD_DIM,
                                   native=native, sliding_window=window)
     check(make_step(query_lens, seq_lens, seed=3), backend, atol=2e-5)
+
+
+@pytest.mark.parametrize(("head_dim", "block_size"), [(12, 4), (8, 3), (64, 16), (128, 16)],
+                         ids=["portable-loops", "odd-block", "llama-64", "llama-128"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_head_and_block_sizes(head_dim: int, block_size: int, dtype: torch.dtype) -> None:
+    # Head sizes that are a multiple of 8 take the kernel's AVX2 item (where the CPU has it), others the
+    # portable loops; blocks of 3 and 16 keys exercise partial groups of four keys and whole vectors.
+    if not paged_attention_available(dtype):
+        pytest.skip(f"native CPU kernel unavailable: {native_library_error()}")
+    query_lens, seq_lens = [1, 1, 3, 1, 4], [1, 45, 37, 200, 9]
+    step = make_step(query_lens, seq_lens, dtype=dtype, seed=5, head_dim=head_dim, block_size=block_size)
+    for window in (None, 7):
+        check(step, TorchPagedAttention(native=True, sliding_window=window),
+              atol=2e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_native_output_does_not_depend_on_the_batch() -> None:
+    # Batched decode and speculative verification must not change a request's attention: the same
+    # request alone and among others gives bit-identical output.
+    if not paged_attention_available(torch.float32):
+        pytest.skip(f"native CPU kernel unavailable: {native_library_error()}")
+    query_lens, seq_lens = [1, 3, 1, 2], [70, 41, 5, 130]
+    batch = make_step(query_lens, seq_lens, seed=6, head_dim=64, block_size=16)
+    backend = TorchPagedAttention(native=True)
+    together = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.meta, 0.125)
+    start = 0
+    for i, q_len in enumerate(query_lens):
+        tokens = slice(start, start + q_len)
+        meta = AttentionMetadata.build([q_len], [seq_lens[i]], [batch.meta.block_tables[i].tolist()], 16)
+        alone = backend.forward(batch.q[tokens], batch.k[tokens], batch.v[tokens], batch.kv_cache, meta, 0.125)
+        torch.testing.assert_close(alone, together[tokens], rtol=0, atol=0)
+        start += q_len
 
 
 @pytest.mark.parametrize("case", ["decode_only", "mixed"])
