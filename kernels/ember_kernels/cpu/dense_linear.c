@@ -19,7 +19,7 @@
  */
 #include <stdint.h>
 
-#define NB 32    /* output columns per work item: a multiple of every tile width below */
+#define NB 48    /* output columns per work item: a multiple of every tile width below */
 #define MR 4     /* most rows of x per tile */
 #define NR 8     /* most weight rows per tile */
 /* Below this many multiply-adds one thread is as fast or faster: waking the others (OpenMP, passive
@@ -52,12 +52,19 @@ static inline __m256 wload(const void *w, int64_t i, const int bf16) {
  * accumulators live in registers (mr * nr <= 12 of the 16 ymm registers). */
 static inline __attribute__((always_inline)) void tile(const float *x, const void *w, const float *bias,
                                                        float *y, int64_t N, int64_t K, int64_t n,
-                                                       const int mr, const int nr, const int bf16) {
+                                                       const int mr, const int nr, const int bf16, const char *fetch,
+                                                       const int64_t fetch_rows) {
     __m256 acc[MR][NR];
     for (int m = 0; m < mr; m++)
         for (int j = 0; j < nr; j++) acc[m][j] = _mm256_setzero_ps();
+    /* Prefetch: `fetch_rows` weight rows from `fetch` on are asked for while this tile's stream through
+     * (see block()). Each weight row is its own few-KB stream, and the hardware prefetcher stops at every
+     * page, so without this the weights arrive at a fraction of the memory bandwidth. */
+    const int esize = bf16 ? 2 : 4;
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
+        if (fetch_rows && (k * esize) % 64 == 0)
+            for (int64_t j = 0; j < fetch_rows; j++) _mm_prefetch(fetch + (j * K + k) * esize, _MM_HINT_T0);
         __m256 wv[NR];
         for (int j = 0; j < nr; j++) wv[j] = wload(w, (n + j) * K + k, bf16);
         for (int m = 0; m < mr; m++) {
@@ -76,7 +83,9 @@ static inline __attribute__((always_inline)) void tile(const float *x, const voi
 #else
 /* Portable fallback: the same contract (one fixed order per (m, n)), plain loops. */
 static inline void tile(const float *x, const void *w, const float *bias, float *y, int64_t N, int64_t K,
-                        int64_t n, const int mr, const int nr, const int bf16) {
+                        int64_t n, const int mr, const int nr, const int bf16, const char *fetch,
+                        const int64_t fetch_rows) {
+    (void)fetch, (void)fetch_rows;
     for (int m = 0; m < mr; m++)
         for (int j = 0; j < nr; j++) {
             float s = 0.0f;
@@ -87,12 +96,22 @@ static inline void tile(const float *x, const void *w, const float *bias, float 
 }
 #endif
 
-/* Columns [n0, n1) for rows [m0, m0 + mr), in tiles of nr columns and then single columns. */
-#define COLUMNS(mr, nr)                                                                        \
-    do {                                                                                       \
-        int64_t n = n0;                                                                        \
-        for (; n + (nr) <= n1; n += (nr)) tile(xg, w, bias, yg, N, K, n, (mr), (nr), bf16);    \
-        for (; n < n1; n++) tile(xg, w, bias, yg, N, K, n, (mr), 1, bf16);                     \
+/* Columns [n0, n1) for rows [m0, m0 + mr), in tiles of nr columns and then single columns. Prefetching:
+ * the first group of rows (m0 == 0) meets the block's weights first and streams them from memory, so each
+ * of its tiles asks for the next tile's rows; the second group finds them in cache, so it asks for the
+ * next block's, which the first group of that block then finds in cache too: memory and FMAs overlap.
+ * A single row is pure streaming, which the hardware prefetcher alone did faster (by ~20%). */
+#define COLUMNS(mr, nr)                                                                             \
+    do {                                                                                            \
+        int64_t n = n0;                                                                             \
+        for (; n < n1; n += (n + (nr) <= n1 ? (nr) : 1)) {                                          \
+            const int width = n + (nr) <= n1 ? (nr) : 1;                                            \
+            const int64_t ahead = m0 == 0 ? n + width : (m0 == MR ? n + NB : N);                    \
+            const int64_t rows = M == 1 ? 0 : ahead + width <= N ? width : (N > ahead ? N - ahead : 0); \
+            const char *fetch = (const char *)w + ahead * K * (bf16 ? 2 : 4);                       \
+            if (width == (nr)) tile(xg, w, bias, yg, N, K, n, (mr), (nr), bf16, fetch, rows);       \
+            else tile(xg, w, bias, yg, N, K, n, (mr), 1, bf16, fetch, rows);                        \
+        }                                                                                           \
     } while (0)
 
 static inline __attribute__((always_inline)) void block(const float *x, const void *w, const float *bias,
@@ -103,9 +122,9 @@ static inline __attribute__((always_inline)) void block(const float *x, const vo
         const float *xg = x + m0 * K;
         float *yg = y + m0 * N;
         switch (M - m0 < MR ? M - m0 : MR) { /* tile shapes with at most 12 accumulators */
-            case 4: COLUMNS(4, 2); break;
+            case 4: COLUMNS(4, 3); break;
             case 3: COLUMNS(3, 4); break;
-            case 2: COLUMNS(2, 4); break;
+            case 2: COLUMNS(2, 6); break;
             default: COLUMNS(1, 8); break;
         }
     }
