@@ -31,14 +31,27 @@ def kv_cache_block_shape(block_size: int, num_kv_heads: int, head_dim: int) -> t
     return (num_kv_heads, block_size, head_dim)
 
 
-def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store new keys and values k, v ([T, Hkv, D]) at their slots (block_id * block_size + offset)."""
+def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             scratch: dict[str, Any] | None = None) -> None:
+    """Store new keys and values k, v ([T, Hkv, D]) at their slots (block_id * block_size + offset).
+
+    `scratch`: the step's `AttentionMetadata.scratch`, to compute the cache rows once per step rather
+    than once per layer (at decode that was most of the cost of this write).
+    """
     k_cache, v_cache = kv_cache
-    block_size = k_cache.shape[2]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    # Advanced indices split by a slice put the indexed dim first: cache[blocks, :, offsets] is [T, Hkv, D].
-    k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
+    _, num_kv_heads, block_size, head_dim = k_cache.shape
+    key = f"write_kv:{num_kv_heads}:{block_size}"
+    rows = None if scratch is None else scratch.get(key)
+    if rows is None:
+        # Row of the cache viewed as [num_blocks * Hkv * block_size, D] for token t, KV head h, in (t, h) order.
+        offsets = slot_mapping % block_size
+        blocks = slot_mapping // block_size
+        heads = torch.arange(num_kv_heads, device=slot_mapping.device) * block_size
+        rows = ((blocks * (num_kv_heads * block_size) + offsets)[:, None] + heads[None, :]).reshape(-1)
+        if scratch is not None:
+            scratch[key] = rows
+    k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(k_cache.dtype))
+    v_cache.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(v_cache.dtype))
 
 
 @dataclass(slots=True)

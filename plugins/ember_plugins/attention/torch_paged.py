@@ -98,7 +98,7 @@ class TorchPagedAttention:
         num_kv_heads, block_size = kv_cache[0].shape[1], kv_cache[0].shape[2]
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        write_kv(kv_cache, k, v, meta.slot_mapping, meta.scratch)
 
         plan = self._plan(meta, block_size, q.device, kv_cache[0].dtype)
         short = plan.short

@@ -193,9 +193,11 @@ def test_layers_share_the_step_plan() -> None:
     backend = TorchPagedAttention()
     scale = HEAD_DIM**-0.5
     first = backend.forward(step.q, step.k, step.v, step.kv_cache, step.meta, scale)
-    assert len(step.meta.scratch) == 1
+    made = dict(step.meta.scratch)  # the plan and write_kv's cache rows, made by the first layer
+    assert len(made) == 2
     again = backend.forward(step.q, step.k, step.v, step.kv_cache, step.meta, scale)
-    assert len(step.meta.scratch) == 1
+    assert step.meta.scratch.keys() == made.keys()
+    assert all(step.meta.scratch[key] is value for key, value in made.items())  # reused, not rebuilt
     torch.testing.assert_close(first, again, rtol=0, atol=0)
 
 
