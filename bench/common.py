@@ -30,14 +30,15 @@ RESULTS = BENCH / "results"
 
 
 def ensure_passive_omp() -> None:
-    """Re-run this process with OMP_WAIT_POLICY=PASSIVE unless the caller chose a policy.
+    """Re-run this process with OMP_WAIT_POLICY=PASSIVE unless the caller chose a policy (OMP_WAIT_POLICY,
+    or libgomp's GOMP_SPINCOUNT: e.g. a bounded spin of 10000, see bench/README.md).
 
     On a shared 2-core machine, OpenMP's default spin-waiting lets the waiting thread hold a core the
     working thread needs: with 2 threads every small op then costs a scheduler time slice (measured
     here: 30x slower decode for the example model). libgomp reads the policy once, when torch loads
     it, so it must be in the environment before `import torch`: hence a re-exec rather than a setenv.
     """
-    if "OMP_WAIT_POLICY" in os.environ:
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
@@ -81,7 +82,7 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(args.model), "threads": args.threads, "repeats": args.repeats, "quick": args.quick,
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "cpu_count": os.cpu_count(), "load_avg": [round(x, 2) for x in os.getloadavg()],
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
     }
 
 
