@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,8 +15,6 @@ from ember_platform.control.deployments import ReplicaState
 from ember_platform.control.launcher import LocalProcessLauncher
 from ember_platform.control.plane import ControlPlane
 
-REPO = Path(__file__).resolve().parents[3]
-EXAMPLE = REPO / "examples" / "tiny-llama"
 POLICY = ScalingPolicy(min_replicas=0, max_replicas=3, target_concurrency=4, scale_down_delay=10.0)
 
 
@@ -40,34 +39,16 @@ def test_up_at_once_down_only_after_the_delay_and_gaps_reset_it() -> None:
     assert decide(POLICY, current=3, demand=0, now=20.0, memory=memory) == 0  # a full idle delay: to zero
 
 
-def _until(predicate, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    async def wait():  # type: ignore[no-untyped-def]
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while loop.time() < deadline:
-            if value := predicate():
-                return value
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-    return wait()
-
-
 def _info(url: str) -> dict:
     import httpx
 
     return httpx.get(f"{url}/info", timeout=10).json()
 
 
-def test_scale_up_on_demand_then_to_zero_when_idle_then_a_cold_start(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    pkg = tmp_path / "pkg"
-    shutil.copytree(EXAMPLE, pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    manifest = pkg / "ember.toml"
-    text = manifest.read_text().replace("prewarm = true", "prewarm = false")
-    text = text.replace('scale_down_delay = "5m"', 'scale_down_delay = "1s"')
-    text = text.replace("target_concurrency = 16", "target_concurrency = 1")
-    manifest.write_text(text)
+@pytest.mark.usefixtures("one_thread_per_replica")
+def test_scale_up_on_demand_then_to_zero_when_idle_then_a_cold_start(
+        tmp_path: Path, example_copy: Callable[..., Path], until: Callable[..., Any]) -> None:
+    pkg = example_copy(tmp_path / "pkg", prewarm=False, scale_down_delay="1s", target_concurrency=1)
     registry = LocalRegistry(tmp_path / "registry")
     push_package(pkg, registry)
 
@@ -83,7 +64,7 @@ def test_scale_up_on_demand_then_to_zero_when_idle_then_a_cold_start(tmp_path: P
             # The gateway counts the requests it has open on a replica; three of them want three replicas,
             # capped at max_replicas = 2.
             first.in_flight = 3
-            await _until(lambda: len(dep.ready_replicas()) == 2, 90, "a second replica")
+            await until(lambda: len(dep.ready_replicas()) == 2, 90, "a second replica")
             assert dep.desired == 2 and any("scaling up to 2" in e for e in dep.events)
 
             # Still busy: nothing is removed however long it takes.
@@ -91,10 +72,10 @@ def test_scale_up_on_demand_then_to_zero_when_idle_then_a_cold_start(tmp_path: P
             assert len(dep.ready_replicas()) == 2
             first.in_flight = 0
             # Idle for the delay: the replicas sleep (KV cache freed, processes and weights kept)...
-            sleepers = await _until(lambda: dep.sleeping_replicas(), 30, "replicas to sleep")
+            sleepers = await until(lambda: dep.sleeping_replicas(), 30, "replicas to sleep")
             assert sleepers == dep.replicas and dep.desired == 0
             assert sleepers[0].url is not None
-            info = await _until(lambda: _info(sleepers[0].url) if _info(sleepers[0].url)["sleeping"] else None, 30,
+            info = await until(lambda: _info(sleepers[0].url) if _info(sleepers[0].url)["sleeping"] else None, 30,
                                 "the replica's engine to sleep")
             assert info["stats"]["kv_blocks_free"] == info["stats"]["kv_blocks_total"]
             # ...and a request wakes it at once: the same process, no cold start.
@@ -102,8 +83,8 @@ def test_scale_up_on_demand_then_to_zero_when_idle_then_a_cold_start(tmp_path: P
             assert woken == sleepers and all(r.state is ReplicaState.READY for r in woken)
             assert dep.desired == len(woken)
 
-            await _until(lambda: dep.sleeping_replicas(), 30, "sleeping again")
-            await _until(lambda: not dep.replicas, 30, "scaling to zero after sleeping for the delay")
+            await until(lambda: dep.sleeping_replicas(), 30, "sleeping again")
+            await until(lambda: not dep.replicas, 30, "scaling to zero after sleeping for the delay")
             assert dep.desired == 0 and any("scaled to zero" in e for e in dep.events)
 
             [again] = await plane.acquire("tiny-llama")  # the next request succeeds after a cold start

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,41 +24,20 @@ from ember_platform.control.plane import (
     VersionNotFound,
 )
 
-REPO = Path(__file__).resolve().parents[3]
-EXAMPLE = REPO / "examples" / "tiny-llama"
 T = TypeVar("T")
 
-
-@pytest.fixture(autouse=True)
-def _one_thread_per_replica(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+pytestmark = pytest.mark.usefixtures("one_thread_per_replica")
 
 
 def run(coro: Awaitable[T], timeout: float = 180) -> T:
     return asyncio.run(asyncio.wait_for(coro, timeout))  # type: ignore[arg-type]
 
 
-async def until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def scale_to_zero_copy(dest: Path) -> Path:
-    """tiny-llama without prewarm: deploying it starts nothing until a request comes."""
-    shutil.copytree(EXAMPLE, dest, ignore=shutil.ignore_patterns("__pycache__"))
-    manifest = dest / "ember.toml"
-    manifest.write_text(manifest.read_text().replace("prewarm = true", "prewarm = false"))
-    return dest
-
-
 @pytest.fixture
-def registry(tmp_path: Path) -> LocalRegistry:
+def registry(tmp_path: Path, example_copy: Callable[..., Path]) -> LocalRegistry:
     registry = LocalRegistry(tmp_path / "registry")
-    push_package(scale_to_zero_copy(tmp_path / "pkg"), registry)
+    # No prewarm: deploying it starts nothing until a request comes.
+    push_package(example_copy(tmp_path / "pkg", prewarm=False), registry)
     push_package(tmp_path / "pkg", registry, version="0.2.0")
     return registry
 
@@ -123,7 +100,7 @@ def test_versions_promote_and_rollback_are_checked(tmp_path: Path, registry: Loc
     run(scenario())
 
 
-def test_cold_start_then_a_dead_replica_is_replaced_and_delete_stops_it(tmp_path: Path,
+def test_cold_start_then_a_dead_replica_is_replaced_and_delete_stops_it(tmp_path: Path, until: Callable[..., Any],
                                                                         registry: LocalRegistry) -> None:
     async def scenario() -> None:
         plane = make_plane(tmp_path, registry)

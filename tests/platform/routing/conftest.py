@@ -158,25 +158,8 @@ def scorer_host() -> PluginHost:
 # --- end to end: gateways (`ember serve --redis-url`) and their replicas, in processes of their own ---------------
 
 REPO = Path(__file__).resolve().parents[3]
-EXAMPLE = REPO / "examples" / "tiny-llama"
 MODEL = "tiny-llama"
 READY_TIMEOUT_S = 180.0
-
-
-def package_copy(dest: Path, *, replicas: int, adapters: Path | None = None, manifest_extra: str = "") -> Path:
-    """The example package with `replicas` replicas at deploy time (0: scaled to zero), no autoscaling; `adapters` (a
-    folder) copied in as its adapters/, and `manifest_extra` (e.g. `[[lora]]` entries) added to its manifest."""
-    shutil.copytree(EXAMPLE, dest, ignore=shutil.ignore_patterns("__pycache__", "ember.lock"))
-    if adapters is not None:
-        shutil.copytree(adapters, dest / "adapters")
-    manifest = dest / "ember.toml"
-    text = manifest.read_text()
-    text = re.sub(r"(?m)^min_replicas = .*$", f"min_replicas = {replicas}", text)
-    text = re.sub(r"(?m)^max_replicas = .*$", f"max_replicas = {max(1, replicas)}", text)
-    text = re.sub(r"(?m)^prewarm = .*$", f"prewarm = {'true' if replicas else 'false'}", text)
-    text = re.sub(r"(?m)^target_concurrency = .*$", "target_concurrency = 1000", text)
-    manifest.write_text(text + manifest_extra)
-    return dest
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
@@ -311,17 +294,23 @@ def wait_until_fixture() -> Callable[..., Any]:
 
 
 @pytest.fixture
-def start_topology(own_redis: RedisServer, tmp_path: Path,
-                   stop_serve: Callable[..., None]) -> Iterator[Callable[..., Topology]]:
+def start_topology(own_redis: RedisServer, tmp_path: Path, stop_serve: Callable[..., None],
+                   example_copy: Callable[..., Path]) -> Iterator[Callable[..., Topology]]:
     """start_topology(replicas, adapters=None, manifest_extra="") -> a `Topology` on `own_redis`, each gateway with its
     own copy of the package (`package_copy`): A with `replicas` replicas, B with none. Returns once both gateways are
     ready and A's replicas are in the routing tables; stops both, and kills their replicas, after the test."""
     started: list[Topology] = []
 
+    def package_copy(dest: Path, replicas: int, **package_options: Any) -> Path:
+        """The example with `replicas` replicas at deploy time (0: scaled to zero) and no autoscaling, without its lock
+        (`package_options`: `adapters`, `manifest_extra`, see `example_copy`)."""
+        return example_copy(dest, lock=False, min_replicas=replicas, max_replicas=max(1, replicas),
+                            prewarm=bool(replicas), target_concurrency=1000, **package_options)
+
     def start(replicas: int, **package_options: Any) -> Topology:
-        a = Gateway("a", package_copy(tmp_path / "pkg-a", replicas=replicas, **package_options), tmp_path,
+        a = Gateway("a", package_copy(tmp_path / "pkg-a", replicas, **package_options), tmp_path,
                     own_redis.url, stop_serve)
-        b = Gateway("b", package_copy(tmp_path / "pkg-b", replicas=0, **package_options), tmp_path, own_redis.url,
+        b = Gateway("b", package_copy(tmp_path / "pkg-b", 0, **package_options), tmp_path, own_redis.url,
                     stop_serve)
         topo = Topology(a, b, own_redis.url)
         started.append(topo)

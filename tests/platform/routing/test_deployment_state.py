@@ -5,8 +5,6 @@ the model and reads the first one's state. Real replica processes of the example
 from __future__ import annotations
 
 import asyncio
-import shutil
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,26 +20,15 @@ from ember_platform.routing import DeploymentState
 from ember_platform.routing.memory import InProcessTables
 from ember_platform.routing.redis_tables import RedisTables
 
-REPO = Path(__file__).resolve().parents[3]
-EXAMPLE = REPO / "examples" / "tiny-llama"
 MODEL = "tiny-llama"
 T = TypeVar("T")
 COLD, STARTING, WARM, SLEEPING = (DeploymentState.COLD, DeploymentState.STARTING, DeploymentState.WARM,
                                   DeploymentState.SLEEPING)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_per_replica(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
-def package(dest: Path, *, prewarm: bool, scale_down_delay: str = "2s") -> Path:
-    """tiny-llama that scales to zero (min_replicas = 0) after `scale_down_delay` idle, prewarmed or not."""
-    shutil.copytree(EXAMPLE, dest, ignore=shutil.ignore_patterns("__pycache__"))
-    manifest = dest / "ember.toml"
-    text = manifest.read_text().replace('scale_down_delay = "5m"', f'scale_down_delay = "{scale_down_delay}"')
-    manifest.write_text(text.replace("prewarm = true", f"prewarm = {'true' if prewarm else 'false'}"))
-    return dest
+pytestmark = pytest.mark.usefixtures("one_thread_per_replica")
+# How long the example (min_replicas = 0) stays idle before it scales to zero.
+SCALE_DOWN_DELAY = "2s"
 
 
 def make_plane(tmp: Path, registry: LocalRegistry, tables: Any, *, redis_url: str | None = None) -> ControlPlane:
@@ -52,15 +39,6 @@ def make_plane(tmp: Path, registry: LocalRegistry, tables: Any, *, redis_url: st
 
 def run(coro: Awaitable[T], timeout: float = 240) -> T:
     return asyncio.run(asyncio.wait_for(coro, timeout))  # type: ignore[arg-type]
-
-
-async def until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 class RecordingTables(InProcessTables):
@@ -75,9 +53,10 @@ class RecordingTables(InProcessTables):
         super().set_deployment_state(model, state)
 
 
-def test_the_control_plane_writes_each_state_change_and_the_gateway_reports_it(tmp_path: Path) -> None:
+def test_the_control_plane_writes_each_state_change_and_the_gateway_reports_it(
+        tmp_path: Path, example_copy: Callable[..., Path], until: Callable[..., Any]) -> None:
     registry = LocalRegistry(tmp_path / "registry")
-    push_package(package(tmp_path / "pkg", prewarm=True), registry)
+    push_package(example_copy(tmp_path / "pkg", prewarm=True, scale_down_delay=SCALE_DOWN_DELAY), registry)
     tables = RecordingTables()
 
     def states() -> list[DeploymentState]:
@@ -128,11 +107,12 @@ class ReadOnlyRedisTables(RedisTables):
         raise AssertionError(f"the plane without replicas wrote {model}: {state}")
 
 
-def test_a_second_control_plane_reads_the_first_ones_state_from_redis(tmp_path: Path, own_redis: Any) -> None:
+def test_a_second_control_plane_reads_the_first_ones_state_from_redis(
+        tmp_path: Path, own_redis: Any, example_copy: Callable[..., Path], until: Callable[..., Any]) -> None:
     registry = LocalRegistry(tmp_path / "registry")
-    push_package(package(tmp_path / "pkg", prewarm=True), registry)
+    push_package(example_copy(tmp_path / "pkg", prewarm=True, scale_down_delay=SCALE_DOWN_DELAY), registry)
     cold_registry = LocalRegistry(tmp_path / "cold-registry")  # the same model, scaled to zero and not prewarmed
-    push_package(package(tmp_path / "cold-pkg", prewarm=False), cold_registry)
+    push_package(example_copy(tmp_path / "cold-pkg", prewarm=False, scale_down_delay=SCALE_DOWN_DELAY), cold_registry)
     first_tables = RedisTables.from_url(own_redis.url)   # the namespace the replicas publish to
     second_tables = ReadOnlyRedisTables.from_url(own_redis.url)
 
