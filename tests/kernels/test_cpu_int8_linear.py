@@ -36,6 +36,20 @@ def test_bf16_activations_are_widened() -> None:
     torch.testing.assert_close(out, int8_linear_reference(x.bfloat16(), qweight, scale), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_bf16_in_and_out_equal_the_float32_path_rounded(rows: int) -> None:
+    # The kernel reads bf16 activations and writes bf16 outputs itself; the numbers must be exactly
+    # those of widening first and rounding the float32 result after (what the model did before).
+    x, qweight, scale = operands(rows, 100, 136)
+    x = x.bfloat16()
+    out = int8_linear(x, qweight, scale, torch.bfloat16)
+    via_float = int8_linear(x.float(), qweight, scale)
+    assert out is not None and via_float is not None and out.dtype == torch.bfloat16
+    assert torch.equal(out, via_float.to(torch.bfloat16))
+    half = int8_linear(x, qweight, scale, torch.float16)  # any other dtype: converted after the kernel
+    assert half is not None and torch.equal(half, via_float.to(torch.float16))
+
+
 def test_a_row_is_bitwise_the_same_in_any_batch() -> None:
     x, qweight, scale = operands(7, 72, 200)
     together = int8_linear(x, qweight, scale)

@@ -1,4 +1,4 @@
-/* Weight-only int8 linear on CPU: y[M, N] = x[M, K] @ (w[N, K] * scale[N]).T, float32 in and out.
+/* Weight-only int8 linear on CPU: y[M, N] = x[M, K] @ (w[N, K] * scale[N]).T, computed in float32.
  *
  * Decode is bound by reading weights: this streams each int8 weight row from memory and widens it
  * to float32 in registers, so it moves a quarter of the bytes of an fp32 GEMV (torch's
@@ -9,10 +9,14 @@
  * Every (m, n) is the same sequence of float operations whatever M and the grouping are, so a row's
  * result never depends on the rows batched with it (batching and speculation leave greedy output alone).
  *
- * Layouts (row-major, contiguous): x [M, K] float32, w [N, K] int8, scale [N] float32, y [M, N] float32.
- * Returns 0, or 1 for bad sizes.
+ * Layouts (row-major, contiguous): x [M, K] float32 or bfloat16, w [N, K] int8, scale [N] float32,
+ * y [M, N] float32 or bfloat16. bf16 activations are widened once (exact) and bf16 outputs rounded
+ * from the float32 result, as x.float() before and y.to(bfloat16) after would: the same numbers, two
+ * torch ops fewer per linear (they cost about as much as a small layer's weights at decode).
+ * Returns 0, 1 for bad sizes, or 2 if memory for widening x ran out.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #define NB 16 /* output rows per work item */
 #define MG 4  /* activation rows per pass over a weight row: 4 accumulators + 4 widened weights fit in registers */
@@ -62,8 +66,8 @@ static inline void row_dots(const float *x, const int8_t *w, int64_t K, const in
 }
 #endif
 
-static void block(const float *x, const int8_t *w, const float *scale, float *y, int64_t M, int64_t N,
-                  int64_t K, int64_t n0, int64_t n1) {
+static void block(const float *x, const int8_t *w, const float *scale, void *y, int y_bf16, int64_t M,
+                  int64_t N, int64_t K, int64_t n0, int64_t n1) {
     float dots[MG];
     for (int64_t m0 = 0; m0 < M; m0 += MG) {
         int64_t mg = M - m0 < MG ? M - m0 : MG;
@@ -75,19 +79,27 @@ static void block(const float *x, const int8_t *w, const float *scale, float *y,
                 case 2: row_dots(xg, w + n * K, K, 2, dots); break;
                 default: row_dots(xg, w + n * K, K, 1, dots); break;
             }
-            for (int64_t m = 0; m < mg; m++) y[(m0 + m) * N + n] = dots[m] * scale[n];
+            for (int64_t m = 0; m < mg; m++) store_from_f32(y, (m0 + m) * N + n, dots[m] * scale[n], y_bf16);
         }
     }
 }
 
-int ember_int8_linear(const float *x, const int8_t *w, const float *scale, float *y, int64_t M, int64_t N,
-                      int64_t K, int num_threads) {
+int ember_int8_linear(const void *x, int x_bf16, const int8_t *w, const float *scale, void *y, int y_bf16,
+                      int64_t M, int64_t N, int64_t K, int num_threads) {
     if (M < 1 || N < 1 || K < 1) return 1;
+    float *widened = NULL;
+    if (x_bf16) {
+        widened = malloc(sizeof(float) * (size_t)(M * K));
+        if (!widened) return 2;
+        for (int64_t i = 0; i < M * K; i++) widened[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+    }
+    const float *xf = x_bf16 ? widened : (const float *)x;
     int64_t num_blocks = (N + NB - 1) / NB;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t b = 0; b < num_blocks; b++) {
         int64_t n0 = b * NB, n1 = n0 + NB < N ? n0 + NB : N;
-        block(x, w, scale, y, M, N, K, n0, n1);
+        block(xf, w, scale, y, y_bf16, M, N, K, n0, n1);
     }
+    free(widened);
     return 0;
 }

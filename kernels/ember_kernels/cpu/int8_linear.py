@@ -9,7 +9,9 @@ import torch
 from ember_kernels.cpu.build import native_function
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
+_INT = ctypes.c_int
+_ARGTYPES = [_PTR, _INT, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _INT]
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads and writes as is
 
 
 def _function() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -20,10 +22,13 @@ def int8_linear_available() -> bool:
     return _function() is not None
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
-    """x [M, K] @ (qweight [N, K] int8 * scale [N]).T -> [M, N] float32; None if unavailable.
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """x [M, K] @ (qweight [N, K] int8 * scale [N]).T -> [M, N] in `out_dtype`; None if unavailable.
 
-    CPU tensors only; x is used as float32 (converted if it is not), scale must be float32.
+    CPU tensors only; computed in float32. x is read as is when float32 or bfloat16 (else converted
+    to float32); a bfloat16 `out_dtype` is rounded from the float32 result in the kernel, other
+    dtypes are converted after it. scale must be float32.
     """
     fn = _function()
     if fn is None:
@@ -36,11 +41,16 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> 
     if qweight.shape[1] != in_features or scale.shape != (out_features,):
         raise ValueError(f"int8_linear: x {tuple(x.shape)}, weight {tuple(qweight.shape)} and scale "
                          f"{tuple(scale.shape)} do not fit")
-    x32 = x.float().contiguous()
-    out = torch.empty(num_rows, out_features, dtype=torch.float32)
-    rc = fn(x32.data_ptr(), qweight.data_ptr(), scale.data_ptr(), out.data_ptr(), num_rows, out_features,
-            in_features, torch.get_num_threads())
-    return out if rc == 0 else None
+    if x.dtype not in _NATIVE_DTYPES:
+        x = x.float()
+    x = x.contiguous()
+    kernel_dtype = out_dtype if out_dtype in _NATIVE_DTYPES else torch.float32
+    out = torch.empty(num_rows, out_features, dtype=kernel_dtype)
+    rc = fn(x.data_ptr(), x.dtype == torch.bfloat16, qweight.data_ptr(), scale.data_ptr(), out.data_ptr(),
+            kernel_dtype == torch.bfloat16, num_rows, out_features, in_features, torch.get_num_threads())
+    if rc != 0:
+        return None
+    return out if kernel_dtype == out_dtype else out.to(out_dtype)
 
 
 def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

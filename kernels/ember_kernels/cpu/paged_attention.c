@@ -7,11 +7,11 @@
  * by all of them. Scores and accumulation are float32 whatever the cache dtype.
  *
  * Layouts (row-major, contiguous):
- *   q        [B, Q, H, D]  float32, pre-scaling is done here (scale)
+ *   q        [B, Q, H, D]  float32 (the entry point also takes bf16 / strided q), scaled here
  *   q_pos    [B, Q]        int64 context position of each query; -1 marks a padding query
  *   k, v     [N, Hkv, S, D] float32 or bfloat16 (S = block size)
  *   tables   [B, T]        int32 block ids; first_block/end_block [B] int64 bound the blocks read
- *   out      [B, Q, H, D]  float32; a query that sees no key gets zeros
+ *   out      [B, Q, H, D]  float32 (or bf16, see the entry point); a query that sees no key gets zeros
  *
  * Two implementations of one item: a portable one (plain loops, any head size), and on AVX2 + FMA
  * CPUs for head sizes that are a multiple of 8 an explicit one. Decode on a small model is bound by
@@ -33,13 +33,6 @@
 #include <string.h>
 
 #include "simd.h"
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     float sum = 0.0f;
@@ -317,24 +310,71 @@ static int attend_item_avx2(const float *q, const int64_t *q_pos, const void *k,
 }
 #endif
 
-/* Returns 0, or -1 if memory ran out (the caller falls back to its portable path). */
-int ember_paged_attention(const float *q, const int64_t *q_pos, const void *k, const void *v, int is_bf16,
-                          const int32_t *tables, const int64_t *first_block, const int64_t *end_block, float *out,
-                          int64_t B, int64_t Q, int64_t H, int64_t Hkv, int64_t D, int64_t S, int64_t T,
-                          int64_t window, float scale, int num_threads) {
-    int failed = 0;
-    const int64_t items = B * Hkv;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
+/* Below this many multiply-adds (keys x query rows x D, all items) one thread runs the call: a decode
+ * step at short context is a few microseconds of work per layer, less than waking a sleeping OpenMP
+ * thread costs (~20 us under OMP_WAIT_POLICY=PASSIVE on a 2-vCPU VM). */
+#define PARALLEL_MIN_WORK (1 << 18)
+
+/* q may be bfloat16 and strided (a slice of a fused qkv output: token i's heads at q + i * q_stride),
+ * and out bfloat16: they are converted here around the float32 items, which is what q.float() before
+ * and out.to(bfloat16) after would do, without two torch ops and a copy per layer.
+ * Returns 0, or -1 if memory ran out (the caller falls back to its portable path). */
+int ember_paged_attention(const void *q, int q_bf16, int64_t q_stride, const int64_t *q_pos, const void *k,
+                          const void *v, int is_bf16, const int32_t *tables, const int64_t *first_block,
+                          const int64_t *end_block, void *out, int out_bf16, int64_t B, int64_t Q, int64_t H,
+                          int64_t Hkv, int64_t D, int64_t S, int64_t T, int64_t window, float scale,
+                          int num_threads) {
+    const int64_t tokens = B * Q, row = H * D;
+    const int pack_q = q_bf16 || q_stride != row;
+    float *qf = pack_q ? malloc(sizeof(float) * (size_t)(tokens * row)) : (float *)q;
+    float *of = out_bf16 ? malloc(sizeof(float) * (size_t)(tokens * row)) : (float *)out;
+    int failed = !qf || !of;
+    if (!failed && pack_q)
+        for (int64_t i = 0; i < tokens; i++)
+            for (int64_t e = 0; e < row; e++) qf[i * row + e] = load_as_f32(q, i * q_stride + e, q_bf16);
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; b++) work += (end_block[b] - first_block[b]) * S;
+    work *= H * Q * D;
+    const int64_t items = failed ? 0 : B * Hkv;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed) \
+    if (work >= PARALLEL_MIN_WORK)
     for (int64_t item = 0; item < items; item++) {
 #ifdef HAVE_AVX2_ITEM
         if (D % 8 == 0) {
-            failed |= attend_item_avx2(q, q_pos, k, v, is_bf16, tables, first_block, end_block, out, item / Hkv,
+            failed |= attend_item_avx2(qf, q_pos, k, v, is_bf16, tables, first_block, end_block, of, item / Hkv,
                                        item % Hkv, Q, H, Hkv, D, S, T, window, scale) != 0;
             continue;
         }
 #endif
-        failed |= attend_item(q, q_pos, k, v, is_bf16, tables, first_block, end_block, out, item / Hkv, item % Hkv,
+        failed |= attend_item(qf, q_pos, k, v, is_bf16, tables, first_block, end_block, of, item / Hkv, item % Hkv,
                               Q, H, Hkv, D, S, T, window, scale) != 0;
     }
+    if (!failed && out_bf16)
+        for (int64_t i = 0; i < tokens * row; i++) ((uint16_t *)out)[i] = f32_to_bf16(of[i]);
+    if (pack_q) free(qf);
+    if (out_bf16) free(of);
     return failed ? -1 : 0;
+}
+
+/* Store a step's new keys and values in their cache slots (slot = block id * S + offset), for each
+ * token t and KV head h: cache row ((slot / S) * Hkv + h) * S + slot % S of D elements. k and v may
+ * be strided (token t's heads at k + t * k_stride, as slices of a fused qkv output); the caches'
+ * element type must be theirs (esize bytes), so this is a copy. At decode this replaces an index
+ * computation and two index_copy_ calls per layer, which cost more than the attention itself.
+ * Returns 0, or 1 if a slot is outside the num_blocks-block cache (nothing past it is written). */
+int ember_write_kv(void *k_cache, void *v_cache, const void *k, const void *v, int64_t k_stride, int64_t v_stride,
+                   const int64_t *slots, int64_t T, int64_t Hkv, int64_t S, int64_t D, int64_t num_blocks,
+                   int64_t esize) {
+    const size_t row_bytes = (size_t)(D * esize);
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0 || slot >= num_blocks * S) return 1;
+        const int64_t base = (slot / S) * Hkv * S + slot % S;
+        for (int64_t h = 0; h < Hkv; h++) {
+            const int64_t dst = (base + h * S) * D * esize;
+            memcpy((char *)k_cache + dst, (const char *)k + (t * k_stride + h * D) * esize, row_bytes);
+            memcpy((char *)v_cache + dst, (const char *)v + (t * v_stride + h * D) * esize, row_bytes);
+        }
+    }
+    return 0;
 }

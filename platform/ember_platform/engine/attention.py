@@ -35,10 +35,13 @@ def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
              scratch: dict[str, Any] | None = None) -> None:
     """Store new keys and values k, v ([T, Hkv, D]) at their slots (block_id * block_size + offset).
 
-    `scratch`: the step's `AttentionMetadata.scratch`, to compute the cache rows once per step rather
-    than once per layer (at decode that was most of the cost of this write).
+    On the CPU a native copy does it when k/v are in the caches' dtype (k and v may then be strided
+    slices of a fused qkv output). Else `scratch`, the step's `AttentionMetadata.scratch`, lets the torch
+    path compute the cache rows once per step rather than once per layer.
     """
     k_cache, v_cache = kv_cache
+    if (native := _native_write_kv()) is not None and native(k_cache, v_cache, k, v, slot_mapping):
+        return
     _, num_kv_heads, block_size, head_dim = k_cache.shape
     key = f"write_kv:{num_kv_heads}:{block_size}"
     rows = None if scratch is None else scratch.get(key)
@@ -52,6 +55,24 @@ def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
             scratch[key] = rows
     k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(k_cache.dtype))
     v_cache.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(v_cache.dtype))
+
+
+_native_write_kv_fn: Callable[..., bool] | None = None
+_native_write_kv_tried = False
+
+
+def _native_write_kv() -> Callable[..., bool] | None:
+    """The native CPU copy (ember_kernels.cpu.paged_attention.write_kv), or None: looked up once."""
+    global _native_write_kv_fn, _native_write_kv_tried
+    if not _native_write_kv_tried:
+        _native_write_kv_tried = True
+        try:
+            from ember_kernels.cpu.paged_attention import paged_attention_available, write_kv
+        except ImportError:
+            return None
+        if paged_attention_available(torch.float32):
+            _native_write_kv_fn = write_kv
+    return _native_write_kv_fn
 
 
 @dataclass(slots=True)

@@ -111,7 +111,7 @@ class Int8Linear(nn.Module):
         if self.dense_threshold is not None and x2.shape[0] > self.dense_threshold:
             y = F.linear(x2, self._dense_weight(out_dtype))
         elif self.kernel == "native":
-            y = int8_linear(x2, self.qweight, self.scale)
+            y = int8_linear(x2, self.qweight, self.scale, out_dtype)
             if y is None:  # only if the library vanished after we chose it: stay correct
                 y = F.linear(x2, self._dense_weight(out_dtype))
         elif self.kernel == "fbgemm":
@@ -119,7 +119,7 @@ class Int8Linear(nn.Module):
         else:
             # The kernel's fast path is bf16 activations on CPU: fp32 ones ran 2x slower, fp16 7x.
             y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.qweight, self._scale_bf16)
-        y = y.to(out_dtype)
+        y = y.to(out_dtype)  # a no-op where the kernel wrote out_dtype already
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ember_kernels.cpu import native_library_error, paged_attention_available
-from ember_platform.engine.attention import AttentionBackend, AttentionMetadata, kv_cache_block_shape
+from ember_platform.engine import attention
+from ember_platform.engine.attention import AttentionBackend, AttentionMetadata, kv_cache_block_shape, write_kv
 from ember_plugins.attention.torch_paged import TorchPagedAttention
 
 BLOCK_SIZE = 4
@@ -180,6 +181,23 @@ def test_native_output_does_not_depend_on_the_batch() -> None:
         start += q_len
 
 
+@pytest.mark.parametrize("query_lens", [[1, 1, 1, 1], [2, 2, 2, 2]], ids=["decode", "two-token-runs"])
+def test_native_bf16_strided_queries_equal_the_float32_path_rounded(query_lens: list[int]) -> None:
+    # The kernel takes a model's bf16 q as a slice of its fused qkv output and writes bf16 itself; the
+    # result must be exactly widening q first and rounding the float32 output after.
+    if not paged_attention_available(torch.bfloat16):
+        pytest.skip(f"native CPU kernel unavailable: {native_library_error()}")
+    step = make_step(query_lens, [70, 41, 5, 130], dtype=torch.bfloat16, seed=7, head_dim=64, block_size=16)
+    num_tokens, num_heads, head_dim = step.q.shape
+    wide = torch.cat([step.q.flatten(1), torch.randn(num_tokens, 24).bfloat16()], dim=1)
+    q_strided = wide[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    backend = TorchPagedAttention(native=True)
+    out = backend.forward(q_strided, step.k, step.v, step.kv_cache, step.meta, 0.125)
+    via_float = backend.forward(step.q.float(), step.k, step.v, step.kv_cache, step.meta, 0.125)
+    assert out.dtype == torch.bfloat16 and via_float.dtype == torch.float32
+    assert torch.equal(out, via_float.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("case", ["decode_only", "mixed"])
 def test_bfloat16_accumulates_in_float32(case: str, native: bool) -> None:
     query_lens, seq_lens = CASES[case]
@@ -193,12 +211,38 @@ def test_layers_share_the_step_plan() -> None:
     backend = TorchPagedAttention()
     scale = HEAD_DIM**-0.5
     first = backend.forward(step.q, step.k, step.v, step.kv_cache, step.meta, scale)
-    made = dict(step.meta.scratch)  # the plan and write_kv's cache rows, made by the first layer
-    assert len(made) == 2
+    made = dict(step.meta.scratch)  # the plan, and write_kv's cache rows where it has no native copy
+    assert len(made) == (1 if paged_attention_available(torch.float32) else 2)
     again = backend.forward(step.q, step.k, step.v, step.kv_cache, step.meta, scale)
     assert step.meta.scratch.keys() == made.keys()
     assert all(step.meta.scratch[key] is value for key, value in made.items())  # reused, not rebuilt
     torch.testing.assert_close(first, again, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("native", [True, False])
+def test_write_kv_stores_strided_slices_at_their_slots(dtype: torch.dtype, native: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    if native and not paged_attention_available(torch.float32):
+        pytest.skip(f"native CPU kernels unavailable: {native_library_error()}")
+    if not native:  # the torch path, as on a machine without a compiler
+        monkeypatch.setattr(attention, "_native_write_kv_tried", True)
+        monkeypatch.setattr(attention, "_native_write_kv_fn", None)
+    num_kv_heads, head_dim, num_blocks = 2, 8, 6
+    shape = (num_blocks, *kv_cache_block_shape(BLOCK_SIZE, num_kv_heads, head_dim))
+    k_cache, v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    qkv = torch.randn(5, 3 * num_kv_heads * head_dim, generator=torch.Generator().manual_seed(0)).to(dtype)
+    width = num_kv_heads * head_dim  # k and v are column slices of a fused projection, as models pass them
+    k, v = qkv[:, width:2 * width].view(5, num_kv_heads, head_dim), qkv[:, 2 * width:].view(5, num_kv_heads, head_dim)
+    slots = [3, 9, 10, 22, 0]
+    write_kv((k_cache, v_cache), k, v, torch.tensor(slots), {})
+    expected_k, expected_v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    for t, slot in enumerate(slots):
+        expected_k[slot // BLOCK_SIZE, :, slot % BLOCK_SIZE] = k[t]
+        expected_v[slot // BLOCK_SIZE, :, slot % BLOCK_SIZE] = v[t]
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    with pytest.raises(IndexError):
+        write_kv((k_cache, v_cache), k[:1], v[:1], torch.tensor([num_blocks * BLOCK_SIZE]), {})
 
 
 def test_backend_satisfies_the_protocol() -> None:

@@ -21,7 +21,7 @@ from ember_platform.engine.models.layers import (
     RMSNorm,
     silu_and_mul,
 )
-from ember_platform.engine.models.rope import RotaryEmbedding, apply_rotary, rope_parameters
+from ember_platform.engine.models.rope import RotaryEmbedding, rope_parameters, rotate_
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +103,8 @@ class LlamaAttention(nn.Module):
         # x: [T, D]
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, H, hd]
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, hd]
+        q = rotate_(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, H, hd]
+        k = rotate_(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, hd]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, hd]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
