@@ -203,31 +203,6 @@ int ember_rotary(void *x, int64_t tokens, int64_t heads, int64_t head_dim, int64
 /* ---- SiLU and mul ----------------------------------------------------------------------------------- */
 
 #if SIMD
-/* exp(x), Cephes' polynomial (as in Eigen): within ~1 ulp of expf, like torch's vectorized (Sleef) exp.
- * glibc's expf is scalar only, and it took most of the call. x > ln(FLT_MAX) gives inf; x < -80 is taken
- * as -80: only 1 + exp(x) is used, and that is 1 from x < -17 on. A NaN x gives a finite value, but the
- * NaN g it came from makes the quotient NaN anyway. */
-static inline __m256 exp8(__m256 x) {
-    const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(88.72283935546875f), _CMP_GT_OQ);
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.72283935546875f)), _mm256_set1_ps(-80.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    /* r = x - n ln2, ln2 in two parts so n * ln2_hi is exact */
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    /* * 2^n as 2^(n-1) * 2: n reaches 128, one past the largest exponent */
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23);
-    p = _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_set1_ps(2.0f));
-    return _mm256_blendv_ps(p, _mm256_set1_ps(INFINITY), over);
-}
-
 /* torch: silu(g) = g / (1 + exp(-g)) in float, rounded to the dtype; then silu * up (rounded by the store). */
 static inline __attribute__((always_inline)) __m256 silu_mul8(__m256 g, __m256 up, const int bf16) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));

@@ -126,27 +126,6 @@ static int attend_item(const float *q, const int64_t *q_pos, const void *k, cons
 #if defined(__AVX2__) && defined(__FMA__)
 #define HAVE_AVX2_ITEM 1
 
-/* exp of 8 floats (Cephes-style: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial, then 2^n through
- * the exponent bits). Relative error ~1e-7, as libm's expf. Inputs below -87.3 (and -inf) give 0. */
-static inline __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.3f);
-    const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)));
-}
-
 /* The four horizontal sums of a0..a3, in lanes 0..3. Each sum is ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)),
  * whichever lane its vector came in, so a score does not depend on the keys grouped with it. */
 static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {

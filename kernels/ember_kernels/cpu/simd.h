@@ -36,6 +36,7 @@ static inline void store_from_f32(void *p, int64_t i, float value, int bf16) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include <math.h>
 
 /* The sum of a vector's 8 floats. */
 static inline float hsum(__m256 v) {
@@ -43,6 +44,34 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* exp of 8 floats, Cephes-style: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial in r, then
+ * 2^n through exponent bits, applied as two halves so that n = -126 and n = 128 stay representable.
+ * Within ~1 ulp of expf (torch's vectorized exp is too); glibc's expf is scalar only. Below -87.3 it
+ * gives 0 (so a masked score of -inf gives exactly 0), above ln(FLT_MAX) inf; a NaN gives a number,
+ * which callers whose NaN input propagates anyway (silu's g / ...) do not mind. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.72283935546875f);
+    const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), overflow = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* r = x - n ln2, ln2 in two parts so that n * ln2_hi is exact */
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
+    const __m256i e1 = _mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23);
+    const __m256i e2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e1)), _mm256_castsi256_ps(e2));
+    return _mm256_blendv_ps(_mm256_andnot_ps(underflow, y), _mm256_set1_ps(INFINITY), overflow);
 }
 #endif
 

@@ -23,6 +23,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ember_platform.engine.native import write_kv as native_write_kv
+
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -40,7 +42,7 @@ def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
     path compute the cache rows once per step rather than once per layer.
     """
     k_cache, v_cache = kv_cache
-    if (native := _native_write_kv()) is not None and native(k_cache, v_cache, k, v, slot_mapping):
+    if (native := native_write_kv()) is not None and native(k_cache, v_cache, k, v, slot_mapping):
         return
     _, num_kv_heads, block_size, head_dim = k_cache.shape
     key = f"write_kv:{num_kv_heads}:{block_size}"
@@ -55,24 +57,6 @@ def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
             scratch[key] = rows
     k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(k_cache.dtype))
     v_cache.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(v_cache.dtype))
-
-
-_native_write_kv_fn: Callable[..., bool] | None = None
-_native_write_kv_tried = False
-
-
-def _native_write_kv() -> Callable[..., bool] | None:
-    """The native CPU copy (ember_kernels.cpu.paged_attention.write_kv), or None: looked up once."""
-    global _native_write_kv_fn, _native_write_kv_tried
-    if not _native_write_kv_tried:
-        _native_write_kv_tried = True
-        try:
-            from ember_kernels.cpu.paged_attention import paged_attention_available, write_kv
-        except ImportError:
-            return None
-        if paged_attention_available(torch.float32):
-            _native_write_kv_fn = write_kv
-    return _native_write_kv_fn
 
 
 @dataclass(slots=True)

@@ -226,8 +226,7 @@ def test_write_kv_stores_strided_slices_at_their_slots(dtype: torch.dtype, nativ
     if native and not paged_attention_available(torch.float32):
         pytest.skip(f"native CPU kernels unavailable: {native_library_error()}")
     if not native:  # the torch path, as on a machine without a compiler
-        monkeypatch.setattr(attention, "_native_write_kv_tried", True)
-        monkeypatch.setattr(attention, "_native_write_kv_fn", None)
+        monkeypatch.setattr(attention, "native_write_kv", lambda: None)
     num_kv_heads, head_dim, num_blocks = 2, 8, 6
     shape = (num_blocks, *kv_cache_block_shape(BLOCK_SIZE, num_kv_heads, head_dim))
     k_cache, v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)

@@ -8,12 +8,12 @@ packed parameters (q/k/v -> qkv_proj, gate/up -> gate_up_proj, stacked experts) 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
-from types import ModuleType
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ember_platform.engine.native import dense_linear, fused_ops, tracks_grad
 
 WeightLoader = Callable[..., None]
 
@@ -55,7 +55,7 @@ class RMSNorm(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # x, residual: [T, D]. On the CPU one native call does the ~10 small ops below (same roundings):
         # at decode those ops cost more than the norm's arithmetic, 25 times a step.
-        if (fused := fused_ops()) is not None and not _tracks_grad(x, residual, self.weight):
+        if (fused := fused_ops()) is not None and not tracks_grad(x, residual, self.weight):
             done = fused.rms_norm(x, self.weight, self.eps, residual)
             if done is not None:
                 return done
@@ -90,8 +90,8 @@ class Linear(nn.Linear):
         weight = self.weight
         if (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.is_cpu and weight.is_cpu
                 and 0 < x.numel() <= NATIVE_LINEAR_MAX_ROWS * self.in_features and x.shape[-1] == self.in_features
-                and weight.is_contiguous() and not _tracks_grad(x, weight)
-                and (native := _dense_linear()) is not None):
+                and weight.is_contiguous() and not tracks_grad(x, weight)
+                and (native := dense_linear()) is not None):
             return native(x.reshape(-1, self.in_features), weight, self.bias).view(*x.shape[:-1], self.out_features)
         return F.linear(x, weight, self.bias)
 
@@ -101,48 +101,6 @@ class Linear(nn.Linear):
 # about even at 16 rows on tiny-llama's lm_head (4096x256) on an AVX2 EPYC, the native kernel 1.1-3x
 # faster below that. Prefill chunks go to MKL.
 NATIVE_LINEAR_MAX_ROWS = 16
-_native: dict[str, Any] = {}
-
-
-def _native_kernel(key: str, load: Callable[[], Any]) -> Any:
-    """`load()` once per key (it returns None when the kernel is unavailable: no compiler, kernels disabled
-    with EMBER_NATIVE_KERNELS=0, ember_kernels missing); the cached result afterwards."""
-    if key not in _native:
-        try:
-            _native[key] = load()
-        except ImportError:
-            _native[key] = None
-    return _native[key]
-
-
-def _load_dense_linear() -> Callable[..., torch.Tensor] | None:
-    from ember_kernels.cpu.dense_linear import dense_linear_available, dense_linear_unchecked
-
-    return dense_linear_unchecked if dense_linear_available() else None
-
-
-def _load_fused_ops() -> ModuleType | None:
-    from ember_kernels.cpu import fused_ops
-
-    return fused_ops if fused_ops.fused_ops_available() else None
-
-
-def _dense_linear() -> Callable[..., torch.Tensor] | None:
-    """The native small-batch linear (ember_kernels.cpu.dense_linear), or None."""
-    return _native_kernel("dense_linear", _load_dense_linear)
-
-
-def fused_ops() -> ModuleType | None:
-    """The native fused CPU ops (ember_kernels.cpu.fused_ops: rms_norm, rotary_, silu_and_mul), or None.
-    Each returns None/False for inputs it does not take (not CPU, other dtypes), and callers use torch."""
-    return _native_kernel("fused_ops", _load_fused_ops)
-
-
-def _tracks_grad(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd records ops on any of these: the native kernels are forward-only."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 class PackedLinear(Linear):
     """Several linears over the same input fused into one matmul, e.g. q/k/v or gate/up.
 
@@ -183,7 +141,7 @@ class Embedding(nn.Module):
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU: silu(gate) * up for a fused [..., 2 * I] projection (gate first, as checkpoints pack it)."""
-    if (fused := fused_ops()) is not None and not _tracks_grad(gate_up):
+    if (fused := fused_ops()) is not None and not tracks_grad(gate_up):
         out = fused.silu_and_mul(gate_up)
         if out is not None:
             return out

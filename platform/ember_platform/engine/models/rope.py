@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ember_platform.engine.models.layers import fused_ops
+from ember_platform.engine.native import fused_ops, tracks_grad
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -102,7 +102,6 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
     In place, q and k stay slices of the fused qkv output: no copies, and ~12 small ops fewer per layer.
     """
-    if not (torch.is_grad_enabled() and x.requires_grad) and (fused := fused_ops()) is not None \
-            and fused.rotary_(x, cos, sin):
+    if not tracks_grad(x) and (fused := fused_ops()) is not None and fused.rotary_(x, cos, sin):
         return x
     return apply_rotary(x, cos, sin)
