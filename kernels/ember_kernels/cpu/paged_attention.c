@@ -340,14 +340,15 @@ int ember_paged_attention(const void *q, int q_bf16, int64_t q_stride, const int
  * be strided (token t's heads at k + t * k_stride, as slices of a fused qkv output); the caches'
  * element type must be theirs (esize bytes), so this is a copy. At decode this replaces an index
  * computation and two index_copy_ calls per layer, which cost more than the attention itself.
- * Returns 0, or 1 if a slot is outside the num_blocks-block cache (nothing past it is written). */
+ * Returns 0, or 1 if a slot is outside the num_blocks-block cache (then nothing is written). */
 int ember_write_kv(void *k_cache, void *v_cache, const void *k, const void *v, int64_t k_stride, int64_t v_stride,
                    const int64_t *slots, int64_t T, int64_t Hkv, int64_t S, int64_t D, int64_t num_blocks,
                    int64_t esize) {
     const size_t row_bytes = (size_t)(D * esize);
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= num_blocks * S) return 1;
     for (int64_t t = 0; t < T; t++) {
         const int64_t slot = slots[t];
-        if (slot < 0 || slot >= num_blocks * S) return 1;
         const int64_t base = (slot / S) * Hkv * S + slot % S;
         for (int64_t h = 0; h < Hkv; h++) {
             const int64_t dst = (base + h * S) * D * esize;
