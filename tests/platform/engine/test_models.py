@@ -19,6 +19,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from ember_platform.engine import native  # noqa: E402
 from ember_platform.engine.attention import AttentionMetadata, kv_cache_block_shape  # noqa: E402
 from ember_platform.engine.models import build_model, load_model, load_weights  # noqa: E402
 from ember_platform.engine.models.loader import checkpoint_files  # noqa: E402
@@ -157,6 +158,16 @@ def test_greedy_generation_matches_transformers(family: Family) -> None:
                                              max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                              do_sample=False, pad_token_id=0)
         assert generated == expected[0, len(prompt):].tolist()
+
+
+def test_torch_paths_without_native_kernels_match_transformers_too(family: Family,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without a C compiler (or with EMBER_NATIVE_KERNELS=0) RMSNorm, rotary, SiLU-and-mul, the small-batch
+    # linear and the KV write run as torch ops: the same checks must hold on that path.
+    monkeypatch.setattr(native, "_loaded", {"fused_ops": None, "dense_linear": None, "write_kv": None})
+    assert native.fused_ops() is None and native.dense_linear() is None and native.write_kv() is None
+    test_prefill_logits_match_transformers(family)
+    test_greedy_generation_matches_transformers(family)
 
 
 def test_built_on_meta_until_loaded(tmp_path: Path) -> None:
