@@ -19,6 +19,8 @@
  */
 #include <stdint.h>
 
+#include "simd.h"
+
 #define NB 48    /* output columns per work item: a multiple of every tile width below */
 #define MR 4     /* most rows of x per tile */
 #define NR 8     /* most weight rows per tile */
@@ -29,24 +31,7 @@
 #define MIN_PARALLEL_WORK (1 << 20)
 #endif
 
-static inline float wscalar(const void *w, int64_t i, const int bf16) {
-    if (bf16) {
-        union { uint32_t u; float f; } v = {.u = (uint32_t)((const uint16_t *)w)[i] << 16};
-        return v.f;
-    }
-    return ((const float *)w)[i];
-}
-
-#include "simd.h"
-
 #if defined(__AVX2__) && defined(__FMA__)
-
-static inline __m256 wload(const void *w, int64_t i, const int bf16) {
-    if (bf16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i))), 16));
-    return _mm256_loadu_ps((const float *)w + i);
-}
 
 /* y[m, n + j] for m < mr, j < nr. mr, nr and bf16 are compile-time constants after inlining, so the
  * accumulators live in registers (mr * nr <= 12 of the 16 ymm registers). */
@@ -66,7 +51,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, const voi
         if (fetch_rows && (k * esize) % 64 == 0)
             for (int64_t j = 0; j < fetch_rows; j++) _mm_prefetch(fetch + (j * K + k) * esize, _MM_HINT_T0);
         __m256 wv[NR];
-        for (int j = 0; j < nr; j++) wv[j] = wload(w, (n + j) * K + k, bf16);
+        for (int j = 0; j < nr; j++) wv[j] = load8_as_f32(w, (n + j) * K + k, bf16);
         for (int m = 0; m < mr; m++) {
             __m256 xv = _mm256_loadu_ps(x + m * K + k);
             for (int j = 0; j < nr; j++) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
@@ -75,7 +60,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, const voi
     for (int m = 0; m < mr; m++)
         for (int j = 0; j < nr; j++) {
             float s = hsum(acc[m][j]);
-            for (int64_t t = k; t < K; t++) s += x[m * K + t] * wscalar(w, (n + j) * K + t, bf16);
+            for (int64_t t = k; t < K; t++) s += x[m * K + t] * load_as_f32(w, (n + j) * K + t, bf16);
             if (bias) s += bias[n + j];
             y[m * N + n + j] = s;
         }
@@ -89,7 +74,7 @@ static inline void tile(const float *x, const void *w, const float *bias, float 
     for (int m = 0; m < mr; m++)
         for (int j = 0; j < nr; j++) {
             float s = 0.0f;
-            for (int64_t k = 0; k < K; k++) s += x[m * K + k] * wscalar(w, (n + j) * K + k, bf16);
+            for (int64_t k = 0; k < K; k++) s += x[m * K + k] * load_as_f32(w, (n + j) * K + k, bf16);
             if (bias) s += bias[n + j];
             y[m * N + n + j] = s;
         }

@@ -35,13 +35,6 @@
 static inline float rnd(float v, const int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
 #if SIMD
-static inline __m256 load8(const void *p, int64_t i, const int bf16) {
-    if (bf16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
-    return _mm256_loadu_ps((const float *)p + i);
-}
-
 /* rnd() on 8 lanes: f32_to_bf16, kept in the high half of each float. */
 static inline __m256 rnd8(__m256 v, const int bf16) {
     if (!bf16) return v;
@@ -80,7 +73,7 @@ static inline __attribute__((always_inline)) void rms_row(const void *x, const v
     int64_t i = 0;
     if (res) { /* h = x + residual in the dtype; the normed input is the stored (rounded) sum */
 #if SIMD
-        for (; i + 8 <= dim; i += 8) store8(res_out, i, _mm256_add_ps(load8(x, i, bf16), load8(res, i, bf16)), bf16);
+        for (; i + 8 <= dim; i += 8) store8(res_out, i, _mm256_add_ps(load8_as_f32(x, i, bf16), load8_as_f32(res, i, bf16)), bf16);
 #endif
         for (; i < dim; i++) store_from_f32(res_out, i, load_as_f32(x, i, bf16) + load_as_f32(res, i, bf16), bf16);
         h = res_out;
@@ -90,7 +83,7 @@ static inline __attribute__((always_inline)) void rms_row(const void *x, const v
 #if SIMD
     __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
     for (; i + 8 <= dim; i += 8) {
-        const __m256 v = load8(h, i, bf16);
+        const __m256 v = load8_as_f32(h, i, bf16);
         const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
         lo = _mm256_fmadd_pd(a, a, lo); /* the square is exact, so this is the scalar mul + add */
         hi = _mm256_fmadd_pd(b, b, hi);
@@ -115,7 +108,7 @@ static inline __attribute__((always_inline)) void rms_row(const void *x, const v
 #if SIMD
     const __m256 inv8 = _mm256_set1_ps(inv);
     for (; i + 8 <= dim; i += 8)
-        store8(out, i, _mm256_mul_ps(load8(w, i, bf16), rnd8(_mm256_mul_ps(load8(h, i, bf16), inv8), bf16)), bf16);
+        store8(out, i, _mm256_mul_ps(load8_as_f32(w, i, bf16), rnd8(_mm256_mul_ps(load8_as_f32(h, i, bf16), inv8), bf16)), bf16);
 #endif
     for (; i < dim; i++) store_from_f32(out, i, load_as_f32(w, i, bf16) * rnd(load_as_f32(h, i, bf16) * inv, bf16), bf16);
 }
@@ -154,11 +147,11 @@ static inline __attribute__((always_inline)) void rope_head(void *p, const void 
     int64_t j = 0;
 #if SIMD
     for (; j + 8 <= half; j += 8) {
-        const __m256 a = load8(p, j, bf16), b = load8(p, j + half, bf16);
-        const __m256 na = _mm256_sub_ps(rnd8(_mm256_mul_ps(a, load8(c, j, bf16)), bf16),
-                                        rnd8(_mm256_mul_ps(b, load8(s, j, bf16)), bf16));
-        const __m256 nb = _mm256_add_ps(rnd8(_mm256_mul_ps(b, load8(c, j + half, bf16)), bf16),
-                                        rnd8(_mm256_mul_ps(a, load8(s, j + half, bf16)), bf16));
+        const __m256 a = load8_as_f32(p, j, bf16), b = load8_as_f32(p, j + half, bf16);
+        const __m256 na = _mm256_sub_ps(rnd8(_mm256_mul_ps(a, load8_as_f32(c, j, bf16)), bf16),
+                                        rnd8(_mm256_mul_ps(b, load8_as_f32(s, j, bf16)), bf16));
+        const __m256 nb = _mm256_add_ps(rnd8(_mm256_mul_ps(b, load8_as_f32(c, j + half, bf16)), bf16),
+                                        rnd8(_mm256_mul_ps(a, load8_as_f32(s, j + half, bf16)), bf16));
         store8(p, j, na, bf16);
         store8(p, j + half, nb, bf16);
     }
@@ -212,7 +205,7 @@ static inline __attribute__((always_inline)) __m256 silu_mul8(__m256 g, __m256 u
 static inline __attribute__((always_inline)) void silu_row(const void *x, void *out, int64_t inter,
                                                            const int bf16) {
     int64_t i = 0;
-    for (; i + 8 <= inter; i += 8) store8(out, i, silu_mul8(load8(x, i, bf16), load8(x, inter + i, bf16), bf16), bf16);
+    for (; i + 8 <= inter; i += 8) store8(out, i, silu_mul8(load8_as_f32(x, i, bf16), load8_as_f32(x, inter + i, bf16), bf16), bf16);
     if (i < inter) { /* the tail through the same vector code: an element's result never depends on where it is */
         float g[8] = {0}, up[8] = {0}, y[8];
         for (int64_t j = i; j < inter; j++) g[j - i] = load_as_f32(x, j, bf16), up[j - i] = load_as_f32(x, inter + j, bf16);

@@ -138,9 +138,7 @@ static inline const float *block_f32(const void *base, int is_bf16, int64_t firs
                                      float *buf) {
     if (!is_bf16) return (const float *)base + first_row * D;
     const uint16_t *src = (const uint16_t *)base + first_row * D;
-    for (int64_t i = 0; i < n * D; i += 8)
-        _mm256_storeu_ps(buf + i, _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i))), 16)));
+    for (int64_t i = 0; i < n * D; i += 8) _mm256_storeu_ps(buf + i, load8_as_f32(src, i, 1));
     return buf;
 }
 

@@ -46,6 +46,14 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* 8 elements from i of a float32 (bf16 == 0) or bfloat16 array, as float32 (bf16 widened exactly). */
+static inline __m256 load8_as_f32(const void *p, int64_t i, int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
 /* exp of 8 floats, Cephes-style: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial in r, then
  * 2^n through exponent bits, applied as two halves so that n = -126 and n = 128 stay representable.
  * Within ~1 ulp of expf (torch's vectorized exp is too); glibc's expf is scalar only. Below -87.3 it
