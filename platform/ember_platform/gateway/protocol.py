@@ -11,7 +11,7 @@ working; `ignored_fields` lists them for the gateway to log.
 
 from __future__ import annotations
 
-import json
+import os
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
@@ -28,6 +28,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ember_platform.engine.sampling_params import SamplingParams, SamplingParamsError
+from ember_platform.gateway import request_body
 from ember_platform.gateway.errors import (
     ProtocolError,
     context_length_exceeded,
@@ -35,8 +36,13 @@ from ember_platform.gateway.errors import (
     invalid_request,
     unsupported,
 )
+from ember_platform.gateway.request_body import check_text
 
 MAX_STOP_SEQUENCES = 4
+MAX_PROMPTS_ENV = "EMBER_MAX_PROMPTS"
+# Prompts in one /v1/completions request: each becomes an engine request, so one body must not fan out without
+# bound. $EMBER_MAX_PROMPTS sets it (read at start-up: replicas inherit the gateway's environment).
+MAX_PROMPTS = int(os.environ.get(MAX_PROMPTS_ENV) or 128)
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 # OpenAI's (and vLLM's) default for /v1/completions when the body has no max_tokens; chat has none.
@@ -82,9 +88,9 @@ Stop = Annotated[
 ]
 Prompt = Annotated[
     Annotated[str, Tag(_STRING)]
-    | Annotated[list[str], Field(min_length=1), Tag(_LIST)]
+    | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS), Tag(_LIST)]
     | Annotated[TokenIds, Tag(_TOKENS)]
-    | Annotated[list[TokenIds], Field(min_length=1), Tag(_TOKEN_LISTS)],
+    | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS), Tag(_TOKEN_LISTS)],
     _one_of(_prompt_shape, "a string, a list of strings, a list of token ids or a list of token-id lists"),
 ]
 
@@ -411,13 +417,12 @@ def _from_validation_error(e: ValidationError) -> ProtocolError:
 
 def _load(body: bytes | str | Mapping[str, Any]) -> Mapping[str, Any]:
     if isinstance(body, Mapping):
+        check_text(body)  # decoded by the caller: every string is walked
         return body
     if not body:
         raise invalid_json("the body is empty")
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise invalid_json(str(e)) from None
+    data = request_body.loads(body)  # a nesting limit first, then json.loads
+    check_text(data, body)
     if not isinstance(data, dict):
         kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(data), "a number")
         raise invalid_request(None, f"The request body must be a JSON object, got {kind}.", "invalid_type")

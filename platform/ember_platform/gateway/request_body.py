@@ -1,0 +1,132 @@
+"""A request body turned into JSON without trusting it: its size, nesting depth and strings are checked before
+anything else reads it, so a hostile body is a 4xx naming what is wrong, never a 500 (RecursionError from
+`json.loads`, UnicodeEncodeError from a lone surrogate). Used by the gateway and, through protocol.py, the replica."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+from starlette.requests import Request
+
+from ember_platform.gateway.errors import ProtocolError, invalid_json, invalid_request
+
+MAX_BODY_BYTES_ENV = "EMBER_MAX_BODY_BYTES"
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+# Deeper than any real request (tool schemas nest a few levels) and far below where json.loads recurses out.
+MAX_JSON_DEPTH = 64
+
+_STRING_LITERAL = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+_OBJECTS_AS_ARRAYS = bytes.maketrans(b"{}", b"[]")
+# A lone surrogate can only come from a \uD800-\uDFFF escape: raw surrogate bytes are invalid UTF-8 and fail decoding.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def max_body_bytes() -> int:
+    """The largest request body accepted: $EMBER_MAX_BODY_BYTES, else 32 MiB."""
+    value = os.environ.get(MAX_BODY_BYTES_ENV)
+    if not value:
+        return DEFAULT_MAX_BODY_BYTES
+    try:
+        limit = int(value)
+    except ValueError:
+        limit = 0
+    if limit < 1:
+        raise ValueError(f"{MAX_BODY_BYTES_ENV}={value!r}: expected a positive number of bytes")
+    return limit
+
+
+def body_too_large(limit: int) -> ProtocolError:
+    return ProtocolError(413, f"The request body is larger than this server accepts ({limit} bytes; "
+                              f"{MAX_BODY_BYTES_ENV} sets the limit). Send a shorter prompt.", None,
+                         "request_too_large")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed `limit` (from Content-Length, else while read)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise body_too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise body_too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def json_depth_exceeds(body: bytes | str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether the JSON text nests arrays/objects deeper than `limit`, found with C-speed byte operations only.
+
+    Strings are cut out first (brackets inside them do not nest); each pass then removes the innermost `[]` pairs,
+    so the number of passes is the depth. Malformed nesting stops the count: json.loads reports it better."""
+    raw = body.encode("utf-8", "surrogatepass") if isinstance(body, str) else body
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    brackets = _STRING_LITERAL.sub(b"", raw).translate(_OBJECTS_AS_ARRAYS, _NOT_BRACKETS)
+    for _ in range(limit):
+        if len(brackets) // 2 <= limit - _:  # too few pairs left to go deeper than the limit
+            return False
+        peeled = brackets.replace(b"[]", b"")
+        if peeled == brackets:
+            return False
+        brackets = peeled
+    return bool(brackets)
+
+
+def loads(body: bytes | str) -> Any:
+    """json.loads, with a nesting limit first; every failure a 400 `invalid_json`."""
+    if json_depth_exceeds(body):
+        raise invalid_json(f"arrays and objects nest deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise invalid_json(str(e)) from None
+    except RecursionError:  # cannot happen below the depth limit; kept so that nothing here is ever a 500
+        raise invalid_json(f"arrays and objects nest deeper than {MAX_JSON_DEPTH} levels") from None
+
+
+def lone_surrogate_path(value: Any, path: str = "") -> str | None:
+    """The OpenAI-style path (`messages[0].content`, `stop[1]`) of the first string, or object key, holding a lone
+    UTF-16 surrogate (valid in JSON escapes, not in Unicode text), or None. `path` is where `value` sits."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or None
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            here = f"{path}.{key}" if path else str(key)
+            if lone_surrogate_path(key, here) is not None:
+                return here
+            if (found := lone_surrogate_path(item, here)) is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if (found := lone_surrogate_path(item, f"{path}[{i}]")) is not None:
+                return found
+    return None
+
+
+def check_text(data: Any, raw: bytes | str | None = None) -> None:
+    """400 naming the first field whose text is not valid Unicode. With the `raw` body, skipped at once when it
+    holds no surrogate escape (the common case: no walk over a large body)."""
+    if raw is not None:
+        scanned = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+        if not _SURROGATE_ESCAPE.search(scanned):
+            return
+    path = lone_surrogate_path(data)
+    if path is not None:
+        path = _printable(path)
+        raise invalid_request(path, f"Invalid '{path}': the text contains a lone UTF-16 surrogate (an unpaired "
+                                    "\\ud800-\\udfff escape), which is not valid Unicode.", "invalid_unicode")
+
+
+def _printable(path: str) -> str:
+    # A path through an object key with a lone surrogate: shown escaped, so that the error itself can be encoded.
+    return path.encode("utf-8", "backslashreplace").decode("utf-8")
