@@ -127,3 +127,56 @@ def test_int8_with_speculation_and_batching_is_exact_for_greedy(kernel: str) -> 
     assert batched == alone
     assert spec.generate([code], params)[0].token_ids == alone
     assert spec.engine.num_draft_tokens > 0
+
+
+# Run in a child process: on a regression the kernel segfaults, which must fail this test, not end the whole run.
+MISALIGNED_INT8PACK = """
+import torch
+from ember_plugins.quantization.int8 import Int8Linear, quantize_per_channel
+
+gen = torch.Generator().manual_seed(0)
+weight = torch.randn(512, 256, generator=gen) * 0.05
+qweight, scale = quantize_per_channel(weight)
+# As the quantized-weight cache hands them back: views into one buffer at odd offsets (safetensors mmap).
+flat = torch.empty(qweight.numel() + 8, dtype=torch.int8)
+view = flat[8:].view(512, 256)
+view.copy_(qweight)
+assert view.data_ptr() % 16, "the view must be misaligned for this test to mean anything"
+module = Int8Linear(None, None, "int8pack", None, quantized=(view, scale))
+ref = Int8Linear(None, None, "int8pack", None, quantized=(qweight, scale))
+for rows in range(1, 40):
+    buf = torch.randn(rows * 256 + 1, generator=gen).to(torch.bfloat16)
+    x = buf[1:].view(rows, 256)  # an activation that starts 2 bytes past an aligned address
+    assert torch.equal(module(x), ref(x.clone()))
+print("ok")
+"""
+
+
+def test_int8pack_takes_misaligned_weights_and_activations() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", MISALIGNED_INT8PACK], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+
+
+def test_int8pack_from_the_quantized_weight_cache_generates_as_quantized(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # The user's crash: the second start restores int8pack weights from the cache (mmapped, misaligned views).
+    code = f"""
+from ember_platform import LLM, SamplingParams
+params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+options = {{"quantization": "int8", "quantization_options": {{"kernel": "int8pack"}}}}
+first = LLM({str(EXAMPLE)!r}, **options)
+second = LLM({str(EXAMPLE)!r}, **options)
+assert not first.engine.quantized_from_cache and second.engine.quantized_from_cache
+prompt = ["import os, sys, re, json, time"]
+assert first.generate(prompt, params)[0].token_ids == second.generate(prompt, params)[0].token_ids
+print("ok")
+"""
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "EMBER_QUANTIZED_CACHE": str(tmp_path / "quantized")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.returncode, done.stderr[-2000:])

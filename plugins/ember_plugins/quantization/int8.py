@@ -12,7 +12,11 @@ of bf16) is the whole win, if the kernel streams int8 at memory speed. Kernels, 
   quantization independent of the other rows (see `_fbgemm_linear`). Held-out loss of the example
   model: +0.02% (weight-only: +0.001%), within the 2% budget (`bench/eval_int8_quality.py`).
 * `int8pack` (`torch._weight_int8pack_mm`): weight-only, bf16 activations; ~2-3 GB/s at 1-4 rows,
-  1.2 GB/s at 8. Works everywhere torch does (CUDA included).
+  1.2 GB/s at 8. Works everywhere torch does (CUDA included). Its CPU kernel reads its operands with
+  aligned vector loads, so it crashes the process (SIGSEGV) on an activation not 32-byte aligned or a
+  weight not 16-byte aligned (torch 2.13, measured). Weights restored from the quantized-weight cache
+  are views into one mmapped safetensors file, at whatever offset the file gives them, and activations
+  can be views too; so every operand is handed to it at the allocator's 64-byte alignment (`aligned`).
 * dense: the weights dequantized once and kept, for batches above `dense_threshold` rows, where a
   dense GEMM beats the int8 kernel (int8pack on large prefills; on this CPU never the others).
 
@@ -56,6 +60,16 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
     return kernel
 
 
+ALIGNMENT = 64  # bytes: what torch's CPU allocator gives every new tensor
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous and starting on an ALIGNMENT-byte boundary: itself when it already is, else a copy."""
+    if t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output channel: (qweight [out, in] int8, scale [out] float32)."""
     w = weight.detach().float()
@@ -89,8 +103,9 @@ class Int8Linear(nn.Module):
             weight = qweight
         self.kernel = kernel = resolve_kernel(kernel, weight.device)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.register_buffer("qweight", qweight.to(weight.device))
-        self.register_buffer("scale", scale.to(weight.device))
+        # Aligned for every kernel (int8pack needs it, the others stream faster): a cache entry's tensors are not.
+        self.register_buffer("qweight", aligned(qweight.to(weight.device)))
+        self.register_buffer("scale", aligned(scale.to(weight.device)))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.dense_threshold = dense_threshold
         self._dense: torch.Tensor | None = None  # dequantized weight, made on the first large batch
@@ -101,7 +116,7 @@ class Int8Linear(nn.Module):
             range_row[0, 0], range_row[0, 1] = -1.0, 1.0
             self._range_row = range_row
         elif kernel == "int8pack":
-            self._scale_bf16 = self.scale.to(torch.bfloat16)  # int8pack wants scales in the activations' dtype
+            self._scale_bf16 = aligned(self.scale.to(torch.bfloat16))  # int8pack wants the activations' dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
@@ -118,7 +133,7 @@ class Int8Linear(nn.Module):
             y = self._fbgemm_linear(x2.float())
         else:
             # The kernel's fast path is bf16 activations on CPU: fp32 ones ran 2x slower, fp16 7x.
-            y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.qweight, self._scale_bf16)
+            y = torch._weight_int8pack_mm(aligned(x2.to(torch.bfloat16)), self.qweight, self._scale_bf16)
         y = y.to(out_dtype)  # a no-op where the kernel wrote out_dtype already
         if self.bias is not None:
             y = y + self.bias
