@@ -21,6 +21,28 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Whatever this run starts dies with it, even when it dies without teardown (see fixtures/reaper.py).
+    subprocess.Popen([sys.executable, str(Path(__file__).parent / "fixtures" / "reaper.py"), str(os.getpid())],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True)
+    # The engine caches quantized weights under ~/.cache by default: a run must neither read an older checkout's
+    # entries nor leave its own behind. Child processes (replicas) inherit the variable.
+    if "EMBER_QUANTIZED_CACHE" not in os.environ:
+        import tempfile
+
+        os.environ["EMBER_QUANTIZED_CACHE"] = config._ember_quantized_cache = tempfile.mkdtemp(  # type: ignore[attr-defined]
+            prefix="ember-test-quantized-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    created = getattr(config, "_ember_quantized_cache", None)
+    if created is not None:
+        import shutil
+
+        shutil.rmtree(created, ignore_errors=True)
+
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
