@@ -10,7 +10,8 @@ Three groups:
   package's `hooks.py` is asked first, then plugins (last registered first), and last the
   manifest's own choice. A hardware-aware plugin should answer only when the manifest says
   "auto" (`manifest.quantization.method == "auto"`, ...), so an explicit choice stands.
-* **Lifecycle** — called as a model loads and around every request.
+* **Lifecycle** — called as a model loads and around every request: its body before tokenizing, its output
+  (whole, or streamed through a per-request filter) before it is sent.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ember.hooks import hookspec
 if TYPE_CHECKING:
     from ember.hardware import Hardware
     from ember.manifest import Manifest
+    from ember.postprocess import OutputFilter
     from ember.selection import Selection
 
 
@@ -112,5 +114,27 @@ def ember_postprocess_output(output: dict[str, Any], request: dict[str, Any],
                              manifest: Manifest) -> dict[str, Any] | None:
     """Inspect or rewrite a finished output ({"text", "token_ids", "finish_reason"}) before it is sent.
 
-    Return a new output dict to replace it, or None to keep it; chained like preprocessing.
+    Return a new output dict to replace it, or None to keep it; chained like preprocessing. `token_ids` are the
+    model's; a changed "finish_reason" must be "stop", "length" or "content_filter"; usage stays the model's.
+
+    Streams too: for a plugin that has no `ember_postprocess_stream` filter for the request, the replica holds the
+    whole streamed text back, calls this hook on it at the end, and sends the result as the stream's one content
+    chunk before its final chunk (which carries the finish_reason this hook set). So nothing a plugin rewrites
+    reaches a client, streamed or not; implement `ember_postprocess_stream` as well to let the text flow.
+    """
+
+
+@hookspec
+def ember_postprocess_stream(request: dict[str, Any], manifest: Manifest) -> OutputFilter | None:
+    """Return a filter for one request's generated text (`ember.OutputFilter`), or None to pass.
+
+    Called once per choice of every streamed request, and of a non-streamed one when this plugin has no
+    `ember_postprocess_output`. The filter's `feed(text)` gets the text in order, in pieces split wherever the
+    engine's steps and the stream's events fell (a word, an e-mail address can span pieces), and returns what may be
+    sent now; holding text back until it knows (a redaction whose pattern may go on) is how a filter sees text that
+    spans chunks. `flush(finish_reason)` comes once after the last piece and returns the rest, or `(rest,
+    finish_reason)` to change the finish_reason ("stop", "length" or "content_filter"), which the stream's final
+    chunk then carries. Filters are chained in hook order (a package's hooks.py first), each fed what the one before
+    it sent. Usage counts stay the model's. A request that asks for logprobs is refused (400) while any output hook
+    applies to it, since per-token logprobs would show the text before the hooks rewrote it.
     """

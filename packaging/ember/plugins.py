@@ -28,6 +28,7 @@ from ember.errors import PluginError
 from ember.hardware import Hardware, detect_hardware
 from ember.hooks import NAME, hookimpl
 from ember.manifest import AUTO, NONE, Manifest, load_manifest
+from ember.postprocess import FilterStage, OutputHookError, OutputPipeline, WholeOutputStage
 from ember.selection import Selection, SelectionReport
 from ember.techniques import KINDS, SELECTABLE, Technique, TechniqueRegistry
 
@@ -221,11 +222,40 @@ class PluginHost:
 
     def postprocess_output(self, output: dict[str, Any], request: dict[str, Any],
                            manifest: Manifest) -> dict[str, Any]:
-        for _, call in self._impls("ember_postprocess_output"):
-            replaced = call(output=output, request=request, manifest=manifest)
-            if replaced is not None:
-                output = replaced
-        return output
+        """A whole output ({"text", "token_ids", "finish_reason"}) after every post-processing hook."""
+        pipeline = self.output_pipeline(request, manifest, stream=False)
+        if pipeline is None:
+            return output
+        text, finish_reason = pipeline.apply(output.get("text", ""), output.get("token_ids", ()),
+                                             output.get("finish_reason"))
+        return {**output, "text": text, "finish_reason": finish_reason}
+
+    def output_pipeline(self, request: dict[str, Any], manifest: Manifest, *,
+                        stream: bool) -> OutputPipeline | None:
+        """One choice's post-processing (ember/postprocess.py), or None when no plugin post-processes outputs.
+
+        Per plugin, in call order: for a stream its `ember_postprocess_stream` filter, else its
+        `ember_postprocess_output` holding the stream back to the end; for a whole output the other way round (that
+        hook sees the token ids too).
+        """
+        filters = dict(self._impls("ember_postprocess_stream"))
+        whole = dict(self._impls("ember_postprocess_output"))
+        if not filters and not whole:
+            return None
+        stages: list[FilterStage | WholeOutputStage] = []
+        for name in self._call_order("ember_postprocess_stream", "ember_postprocess_output"):
+            label = self._describe(name)
+            output_filter = None
+            if name in filters and (stream or name not in whole):
+                try:
+                    output_filter = filters[name](request=request, manifest=manifest)
+                except PluginError as e:
+                    raise OutputHookError(label, str(e).removeprefix(f"{label}: ")) from e
+            if output_filter is not None:
+                stages.append(FilterStage(label, output_filter))
+            elif name in whole:
+                stages.append(WholeOutputStage(label, whole[name], request, manifest))
+        return OutputPipeline(stages) if stages else None
 
     # --- internals ------------------------------------------------------------------------
 
@@ -250,6 +280,19 @@ class PluginHost:
                     raise PluginError(f"{self._describe(_impl.plugin_name)}: {hook_name} raised "
                                       f"{type(e).__name__}: {e}") from e
             yield impl.plugin_name, call
+
+    def _call_order(self, *hook_names: str) -> list[str]:
+        """The plugins implementing any of these hooks, in the order pluggy calls each of them: tryfirst ones, then
+        the rest, each group last registered first (so a package's hooks.py leads)."""
+        registered = [name for name, _ in self.pm.list_name_plugin()]
+        rank: dict[str, int] = {}
+        for hook_name in hook_names:
+            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+                if impl.hookwrapper or getattr(impl, "wrapper", False):
+                    continue
+                group = 2 if impl.tryfirst else 0 if impl.trylast else 1
+                rank[impl.plugin_name] = max(rank.get(impl.plugin_name, 0), group)
+        return sorted(rank, key=lambda name: (-rank[name], -registered.index(name)))
 
     def _describe(self, plugin_name: str) -> str:
         source = self._origins.get(plugin_name, ("",))[0]

@@ -266,6 +266,33 @@ def test_hook_ember_postprocess_output(use_plugins, make_package) -> None:
     assert out == {"text": "mail [email] now", "finish_reason": "stop"}  # both implementations chained
 
 
+def test_hook_ember_postprocess_output_holds_a_stream_back_to_rewrite_it_whole(make_package) -> None:
+    pkg = write_hooks(make_package(), "from ember import hookimpl\n\n@hookimpl\n"
+                      "def ember_postprocess_output(output, request, manifest):\n"
+                      "    return {**output, 'text': output['text'].upper() + str(len(output['token_ids'])),\n"
+                      "            'finish_reason': 'content_filter'}\n")
+    manifest, host = load_package(pkg)
+    pipeline = host.output_pipeline({}, manifest, stream=True)
+    assert pipeline is not None and pipeline.buffers
+    assert [pipeline.feed(piece) for piece in ("secret ", "stays ", "in")] == ["", "", ""]  # nothing leaks early
+    assert pipeline.finish("length", [7, 8, 9]) == ("SECRET STAYS IN3", "content_filter")
+
+
+def test_hook_ember_postprocess_stream(use_plugins, make_package) -> None:
+    use_plugins("redact")  # README plugin: its filter holds back what may still grow into an address
+    manifest, host = load_package(make_package())
+    text = "mail bob@example.com, or ann.lee+x@mail.test-site.org!\nnot@me"
+    expected = "mail [email], or [email]!\nnot@me"
+    assert host.postprocess_output({"text": text, "finish_reason": "stop"}, {}, manifest)["text"] == expected
+    for size in range(1, len(text) + 1):  # every way of cutting the text into pieces of one size
+        pipeline = host.output_pipeline({}, manifest, stream=True)
+        assert pipeline is not None and not pipeline.buffers
+        sent = [pipeline.feed(text[i:i + size]) for i in range(0, len(text), size)]
+        tail, reason = pipeline.finish("length")
+        assert "".join(sent) + tail == expected and reason == "length", size
+        assert not any(secret in piece for piece in sent for secret in ("bob", "ann.lee", "example.com"))
+
+
 def test_every_hook_has_a_test() -> None:
     tests = "\n".join(p.read_text() for p in (REPO_ROOT / "tests").rglob("test_*.py"))
     missing = [h for h in PluginHost.hook_names() if f"def test_hook_{h}(" not in tests]

@@ -61,10 +61,11 @@ def _finite(logprob: float) -> float:
 
 
 def _openai_finish_reason(reason: str | None) -> str:
-    # OpenAI knows "stop" and "length"; an aborted request has no successful answer.
+    # OpenAI knows "stop" and "length", and "content_filter" (which an output hook may set, ember.postprocess);
+    # an aborted request has no successful answer.
     if reason == "abort":
         raise request_aborted()
-    if reason not in ("stop", "length"):
+    if reason not in ("stop", "length", "content_filter"):
         raise ValueError(f"not a finished engine output: finish_reason={reason!r}")
     return reason
 

@@ -7,6 +7,7 @@ count, the metrics); `create_app` builds the Starlette app over it. The process 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -27,11 +28,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ember.errors import EmberError, PackageError
 from ember.package.lock import LOCK_NAME, Lock
+from ember.postprocess import OutputHookError, OutputPipeline
 from ember_platform.engine.config import resolve_source
 from ember_platform.engine.sampling_params import SamplingParams
 from ember_platform.gateway.errors import (
     ProtocolError,
-    error_body,
     invalid_json,
     invalid_request,
     service_unavailable,
@@ -411,28 +412,84 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> tuple[
 
 
 def _stream_error(e: Exception) -> bytes:
+    """The SSE error event for a stream that cannot go on: OpenAI's error object, never a Python class or trace."""
     if isinstance(e, ProtocolError):
         return sse(e.body())
     log.exception("request failed while streaming")
-    return sse(error_body(f"The replica failed while generating: {type(e).__name__}: {e}", "server_error", None,
-                          "internal_error"))
+    return sse(_server_error(e).body())
 
 
-async def _events(replica: Replica, stream: ChatStream | CompletionStream, prompts: list[list[int]],
-                  params: list[SamplingParams], cache_salt: str | None,
-                  adapter: str | None = None) -> AsyncIterator[bytes]:
-    """The SSE body of a streamed response; cancelled (client gone) it aborts the engine requests.
+def _server_error(e: Exception) -> ProtocolError:
+    """500 for a failure while generating or post-processing; the details (exception, traceback) go to the log."""
+    if isinstance(e, OutputHookError):
+        return ProtocolError(500, f"The output hook of {e.plugin} failed on this response; the replica's log has "
+                                  f"the details.", None, "output_hook_failed")
+    detail = f": {e}" if str(e) else "."
+    return ProtocolError(500, f"The replica failed while generating{detail}", None, "internal_error")
+
+
+def _output_pipelines(replica: Replica, request: dict[str, Any] | bytes | None, params: Sequence[SamplingParams],
+                      *, stream: bool) -> list[OutputPipeline | None]:
+    """One post-processing pipeline per choice (None where no output hook applies: nothing to do).
+
+    Per-token logprobs would carry the text before the hooks rewrote it (what a redaction hides), so a request
+    asking for them while hooks apply is refused before anything is generated."""
+    if request is None or replica.engine is None:
+        return [None] * len(params)
+    request_dict = request if isinstance(request, dict) else {}
+    pipelines = [replica.engine.plugins.output_pipeline(request_dict, replica.manifest, stream=stream)
+                 for _ in params]
+    first = next((p for p in pipelines if p is not None), None)
+    if first is not None and any(getattr(p, "logprobs", None) is not None for p in params):
+        raise invalid_request("logprobs", f"Invalid 'logprobs': this model's output hooks ({', '.join(first.plugins)}) "
+                                          "rewrite its text, and per-token logprobs would show it as generated. "
+                                          "Send the request without logprobs.", "unsupported_value")
+    return pipelines
+
+
+def _postprocessed(out: RequestOutput, pipeline: OutputPipeline | None, token_ids: list[int]) -> RequestOutput:
+    """The engine output with its text (and, at its end, finish_reason) after the choice's output hooks.
+
+    `token_ids`: the choice's tokens so far, this output's included. Aborted outputs pass as they are (they end the
+    stream with an error event); usage stays the model's."""
+    if pipeline is None or out.finish_reason == "abort":
+        return out
+    text = pipeline.feed(out.new_text) if out.new_text else ""
+    if not out.finished:
+        return dataclasses.replace(out, new_text=text)
+    tail, finish_reason = pipeline.finish(out.finish_reason or "stop", token_ids)
+    return dataclasses.replace(out, new_text=text + tail, finish_reason=finish_reason)
+
+
+def _events(replica: Replica, stream: ChatStream | CompletionStream, prompts: list[list[int]],
+            params: list[SamplingParams], cache_salt: str | None, adapter: str | None = None,
+            request: dict[str, Any] | bytes | None = None) -> AsyncIterator[bytes]:
+    """The SSE body of a streamed response, its text through the output hooks of `request` (the body the hooks
+    see; None: no hooks). Checked before it starts: a request the hooks cannot serve is refused with its status."""
+    pipelines = _output_pipelines(replica, request, params, stream=True)
+    return _event_stream(replica, stream, prompts, params, cache_salt, adapter, pipelines)
+
+
+async def _event_stream(replica: Replica, stream: ChatStream | CompletionStream, prompts: list[list[int]],
+                        params: list[SamplingParams], cache_salt: str | None, adapter: str | None,
+                        pipelines: list[OutputPipeline | None]) -> AsyncIterator[bytes]:
+    """The SSE body; cancelled (client gone) it aborts the engine requests.
 
     One write per engine output (all of its chunks), and the last one carries `[DONE]` too: each write is a send on
-    the socket here, a read and a forward in the gateway and a read in the client.
+    the socket here, a read and a forward in the gateway and a read in the client. Text an output hook holds back
+    makes no chunk; what it lets go later, and its finish_reason, come in the chunks of later outputs.
     """
     if isinstance(stream, ChatStream):
         for chunk in stream.start():
             yield sse(chunk)
+    token_ids: list[list[int]] = [[] for _ in prompts]
     try:
         async with aclosing(replica.generate_many(prompts, params, stream.id, cache_salt=cache_salt,
                                                   lora_name=adapter)) as outputs:
             async for index, out in outputs:
+                if pipelines[index] is not None:
+                    token_ids[index] += out.new_token_ids
+                    out = _postprocessed(out, pipelines[index], token_ids[index])
                 chunks = stream.add(out) if isinstance(stream, ChatStream) else stream.add(out, index)
                 if stream.done:
                     yield b"".join(map(sse, chunks)) + SSE_DONE
@@ -450,6 +507,7 @@ async def _generate(request: Request, replica: Replica, data: dict[str, Any] | b
                     respond: Callable[[list[Generation]], dict[str, Any]]) -> Response:
     """Run a non-streaming request to the end (or until the client leaves) and build its response."""
     assert replica.engine is not None
+    pipelines = _output_pipelines(replica, data, params, stream=False)
 
     async def run() -> tuple[list[Generation], list[list[int]]]:
         generations = [Generation() for _ in prompts]
@@ -465,13 +523,15 @@ async def _generate(request: Request, replica: Replica, data: dict[str, Any] | b
     if not finished:
         return Response(status_code=499)  # nobody is listening; the engine already dropped the requests
     generations, token_ids = result
-    request_dict = data if isinstance(data, dict) else {}
-    for generation, ids in zip(generations, token_ids, strict=True):
-        output = replica.engine.plugins.postprocess_output(
-            {"text": generation.text, "token_ids": ids, "finish_reason": generation.finish_reason},
-            request_dict, replica.manifest)
-        generation.text_parts = [output.get("text", generation.text)]
-        generation.finish_reason = output.get("finish_reason", generation.finish_reason)
+    for generation, ids, pipeline in zip(generations, token_ids, pipelines, strict=True):
+        if pipeline is None or generation.finish_reason not in ("stop", "length"):
+            continue  # an aborted request answers 503 (`respond`): nothing of it is sent
+        try:
+            text, generation.finish_reason = pipeline.apply(generation.text, ids, generation.finish_reason)
+        except OutputHookError as e:
+            log.exception("an output hook failed")
+            raise _server_error(e) from None
+        generation.text_parts = [text]
     return JSONResponse(respond(generations))
 
 
@@ -494,7 +554,7 @@ def create_app(replica: Replica) -> Starlette:
         if body.stream:
             stream = ChatStream(model=body.model, token_text=replica.token_text, include_usage=body.include_usage,
                                 logprobs=body.wants_logprobs, completion_id=response_id)
-            return _sse_response(_events(replica, stream, [prompt], [params], body.cache_salt, adapter))
+            return _sse_response(_events(replica, stream, [prompt], [params], body.cache_salt, adapter, data))
         return await _generate(
             request, replica, data, [prompt], [params], response_id, body.cache_salt, adapter,
             lambda generations: chat_completion(generations[0], model=body.model, token_text=replica.token_text,
@@ -512,7 +572,7 @@ def create_app(replica: Replica) -> Starlette:
             stream = CompletionStream(model=body.model, token_text=replica.token_text,
                                       include_usage=body.include_usage, logprobs=body.wants_logprobs,
                                       completion_id=response_id, num_choices=len(prompts))
-            return _sse_response(_events(replica, stream, prompts, params, body.cache_salt, adapter))
+            return _sse_response(_events(replica, stream, prompts, params, body.cache_salt, adapter, data))
         return await _generate(
             request, replica, data, prompts, params, response_id, body.cache_salt, adapter,
             lambda generations: text_completion(generations, model=body.model, token_text=replica.token_text,
