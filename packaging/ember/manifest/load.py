@@ -38,6 +38,8 @@ def load_manifest(path: str | Path, *, check_files: bool = True) -> Manifest:
         raise ManifestError(f"{path}: invalid TOML: {e}") from None
     except UnicodeDecodeError:
         raise ManifestError(f"{path}: not UTF-8 text") from None
+    except RecursionError:  # tomllib recurses per nested array or inline table
+        raise ManifestError(f"{path}: invalid TOML: arrays or inline tables nested too deeply") from None
     return parse_manifest(data, source=str(path), package_dir=path.parent if check_files else None)
 
 

@@ -6,7 +6,9 @@ Every key has a default except `[model] name` and `version`. Unknown keys are er
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,6 +38,8 @@ def parse_duration(value: Any) -> float:
         if not match:
             raise ValueError(f"expected a duration such as 300, \"30s\", \"5m\" or \"1h\", got {value!r}")
         seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    if not math.isfinite(seconds):  # nan or inf (TOML has both, and "9" * 400 overflows): no usable duration
+        raise ValueError(f"must be a finite number of seconds, got {value!r}")
     if seconds < 0:
         raise ValueError("must not be negative")
     return seconds
@@ -82,7 +86,7 @@ class ModelSection(Section):
     def _check_weights(cls, v: str, info: ValidationInfo) -> str:
         _check_relative(v)
         pkg = _package_dir(info)
-        if pkg is not None and not (pkg / v).is_dir():
+        if pkg is not None and not _probe(pkg / v, Path.is_dir):
             raise ValueError(f"weights directory {v!r} does not exist in the package")
         return v
 
@@ -156,7 +160,7 @@ class SpeculatorSection(Section):
             return v
         _check_relative(v)
         pkg = _package_dir(info)
-        if pkg is not None and not (pkg / v).exists():
+        if pkg is not None and not _probe(pkg / v, Path.exists):
             raise ValueError(f"speculator model {v!r} does not exist in the package")
         return v
 
@@ -229,9 +233,9 @@ class LoraEntry(Section):
         pkg = _package_dir(info)
         if pkg is not None:
             adapter = pkg / v
-            if not adapter.is_dir():
+            if not _probe(adapter, Path.is_dir):
                 raise ValueError(f"adapter directory {v!r} does not exist in the package")
-            if not (adapter / "adapter_config.json").is_file():
+            if not _probe(adapter / "adapter_config.json", Path.is_file):
                 raise ValueError(f"adapter directory {v!r} has no adapter_config.json (PEFT layout expected)")
         return v
 
@@ -277,6 +281,15 @@ class Manifest(Section):
     @property
     def reference(self) -> str:
         return f"{self.model.name}:{self.model.version}"
+
+
+def _probe(path: Path, test: Callable[[Path], bool]) -> bool:
+    """`test(path)`, with the errors pathlib lets through (a name too long, a directory it may not read) as a
+    ValueError, so the manifest's error names the key instead of the loader failing."""
+    try:
+        return test(path)
+    except OSError as e:
+        raise ValueError(f"cannot check {path.name[:40]!r}: {e.strerror or e}") from None
 
 
 def _check_relative(path: str) -> None:

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from ember.errors import PackageError
-from ember.package.lock import LOCK_NAME
+from ember.package.lock import LOCK_NAME, check_safe_path
 
 # Never part of a package: caches and editor/VCS litter.
 IGNORED_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".ipynb_checkpoints", ".pytest_cache",
@@ -63,6 +63,7 @@ def package_files(root: Path) -> list[str]:
                 raise PackageError(f"{full}: not a regular file (sockets, devices and broken links are "
                                    "not allowed in a package)")
             posix = rel.as_posix()
+            check_safe_path(posix, str(root))  # a name the lock could not be read back with is refused now
             refuse_pickle(posix, root)
             found.append(posix)
     return sorted(found)

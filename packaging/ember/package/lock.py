@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -78,6 +79,8 @@ class Lock:
             doc = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise PackageError(f"{source}: not valid JSON ({e})") from None
+        except RecursionError:  # the parser recurses per level: a hostile index can be nested past the stack
+            raise PackageError(f"{source}: not a lock: JSON nested too deeply") from None
         if not isinstance(doc, dict):
             raise PackageError(f"{source}: expected a JSON object")
         if doc.get("lock_version") != LOCK_VERSION:
@@ -118,12 +121,17 @@ def check_safe_path(path: str, source: str = LOCK_NAME) -> None:
     """Refuse a path that could write outside the package or that is not in canonical form."""
     if not path or "\x00" in path or "\\" in path:
         raise PackageError(f"{source}: unsafe path {path!r}: empty, NUL or backslash")
+    # The package digest hashes tab- and newline-separated lines, so a path holding them could spell other files
+    # (one file list passing for another); and a path must be UTF-8 (a lone surrogate names no file anywhere).
+    if any(unicodedata.category(c) in ("Cc", "Cs") for c in path):
+        raise PackageError(f"{source}: unsafe path {path!r}: control characters and lone surrogates are not "
+                           "allowed in file names")
     pure = PurePosixPath(path)
     if pure.is_absolute() or path.startswith("/") or re.match(r"^[A-Za-z]:", path):
         raise PackageError(f"{source}: unsafe path {path!r}: absolute paths are not allowed")
     if any(part in ("..", ".", "") for part in path.split("/")):
         raise PackageError(f"{source}: unsafe path {path!r}: '..' or '.' components are not allowed")
-    if path == LOCK_NAME:
+    if path.split("/", 1)[0] == LOCK_NAME:  # also not as a directory: the lock is written there last
         raise PackageError(f"{source}: the lock must not list itself")
 
 
