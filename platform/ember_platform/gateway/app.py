@@ -22,25 +22,25 @@ from starlette.routing import Route
 from ember.errors import EmberError, RegistryError
 from ember_platform.control.deployments import Deployment
 from ember_platform.control.plane import ControlError, ControlPlane, DeploymentNotFound, NoReplicaAvailable, QueueFull
+from ember_platform.gateway import request_body
 from ember_platform.gateway.auth import ADMIN_KEY_ENV, Authenticator
 from ember_platform.gateway.errors import (
     ProtocolError,
     error_body,
     error_type_for,
     invalid_api_key,
-    invalid_json,
     invalid_request,
     model_not_found,
     overloaded,
     service_unavailable,
 )
 from ember_platform.gateway.metrics import GatewayMetrics
-from ember_platform.gateway.protocol import parse_model_name
+from ember_platform.gateway.protocol import MAX_PROMPTS, MAX_PROMPTS_ENV, parse_model_name
 from ember_platform.gateway.proxy import CLIENT_CLOSED, Proxy, ReplicaChooser
+from ember_platform.gateway.request_body import check_text
 
 logger = logging.getLogger("ember.gateway")
 
-MAX_BODY_BYTES = 32 * 1024 * 1024
 INFO_TIMEOUT_S = 5.0
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
@@ -181,12 +181,11 @@ class Gateway:
         received_at = time.monotonic()
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         body = await _read_body(request)
-        try:
-            payload = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise invalid_json(str(e)) from None
+        payload = request_body.loads(body)  # a nesting limit first: never a RecursionError
+        check_text(payload, body)  # a lone surrogate would fail every later encode (errors, logs, the tokenizer)
         if not isinstance(payload, dict):
             raise invalid_request(None, "The request body must be a JSON object.", "invalid_type")
+        _check_fan_out(payload)
         route_name = request.path_params.get("name")
         model = payload.get("model")
         if route_name is not None and (not isinstance(model, str) or parse_model_name(model)[0] != route_name):
@@ -311,7 +310,16 @@ def control_error(e: ControlError, *, model: str | None = None) -> ProtocolError
 
 
 async def _read_body(request: Request) -> bytes:
-    return await request.body()  # at most MAX_BODY_BYTES: the app refuses longer bodies with a 413
+    # A 413 as an OpenAI error object (Starlette's own max_body_size answers in plain text), before reading it all.
+    return await request_body.read_body(request, request.app.state.max_body_bytes)
+
+
+def _check_fan_out(payload: dict[str, Any]) -> None:
+    """Refuse a prompt list longer than MAX_PROMPTS before it reaches a replica (each prompt is an engine request)."""
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) and len(prompt) > MAX_PROMPTS:
+        raise invalid_request("prompt", f"Invalid 'prompt': at most {MAX_PROMPTS} prompts per request, got "
+                                        f"{len(prompt)} ({MAX_PROMPTS_ENV} sets the limit). Send several requests.")
 
 
 def _parse(model: type[BaseModel], body: bytes) -> Any:
@@ -337,15 +345,20 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    return JSONResponse(error_body(f"The gateway failed to handle the request: {type(exc).__name__}: {exc}",
-                                   "server_error", None, "internal_error"), status_code=500)
+    # The exception goes to the log only: its class and text can reveal internals (paths, hosts, code).
+    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    logger.error("%s %s failed (request %s)", request.method, request.url.path, request_id, exc_info=exc)
+    return JSONResponse(error_body(f"The gateway hit an internal error (request id {request_id}). Please retry; if "
+                                   "it persists, report the request id.", "server_error", None, "internal_error"),
+                        status_code=500, headers={"X-Request-Id": request_id})
 
 
 def create_app(plane: ControlPlane, *, authenticator: Authenticator | None, chooser: ReplicaChooser | None = None,
                ready: Callable[[], bool] | None = None,
-               on_startup: Callable[[], Awaitable[None]] | None = None) -> Starlette:
+               on_startup: Callable[[], Awaitable[None]] | None = None,
+               max_body_bytes: int | None = None) -> Starlette:
     """The gateway over `plane`. `authenticator=None` serves without keys (local development only).
+    `max_body_bytes`: the largest request body accepted (default: $EMBER_MAX_BODY_BYTES, else 32 MiB).
 
     The app's lifespan starts the control plane (then `on_startup`, if given) and drains it on shutdown.
     """
@@ -365,9 +378,10 @@ def create_app(plane: ControlPlane, *, authenticator: Authenticator | None, choo
             await proxy.aclose()
             await gateway.aclose()
 
-    app = Starlette(routes=gateway.routes(), lifespan=lifespan, max_body_size=MAX_BODY_BYTES,
+    app = Starlette(routes=gateway.routes(), lifespan=lifespan,
                     exception_handlers={ProtocolError: _protocol_error, HTTPException: _http_error,
                                         Exception: _server_error})
     app.add_middleware(AuthMiddleware, authenticator=authenticator, metrics=metrics)  # type: ignore[arg-type]
     app.state.gateway = gateway
+    app.state.max_body_bytes = request_body.max_body_bytes() if max_body_bytes is None else max_body_bytes
     return app
