@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
 import logging
 import time
 import uuid
@@ -31,9 +30,9 @@ from ember.package.lock import LOCK_NAME, Lock
 from ember.postprocess import OutputHookError, OutputPipeline
 from ember_platform.engine.config import resolve_source
 from ember_platform.engine.sampling_params import SamplingParams
+from ember_platform.gateway import request_body
 from ember_platform.gateway.errors import (
     ProtocolError,
-    invalid_json,
     invalid_request,
     service_unavailable,
 )
@@ -44,6 +43,7 @@ from ember_platform.gateway.protocol import (
     parse_chat_request,
     parse_completion_request,
 )
+from ember_platform.gateway.request_body import check_text, max_body_bytes, read_body
 from ember_platform.gateway.responses import (
     SSE_DONE,
     ChatStream,
@@ -333,11 +333,9 @@ class AdmissionMiddleware:
 async def _read_body(request: Request, replica: Replica) -> dict[str, Any] | bytes:
     """The JSON object the client sent, after the package's preprocess hooks; raw bytes if it is not an object
     (the protocol layer then says what is wrong with it)."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw) if raw else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise invalid_json(str(e)) from None
+    raw = await read_body(request, max_body_bytes())  # 413 as an OpenAI error object
+    data = request_body.loads(raw) if raw else None  # a nesting limit first: never a RecursionError
+    check_text(data, raw)  # lone surrogates: a 400 naming the field, before any hook or tokenizer sees them
     if not isinstance(data, dict):
         return raw
     assert replica.engine is not None
@@ -627,10 +625,12 @@ def create_app(replica: Replica) -> Starlette:
 
     async def server_error(request: Request, exc: Exception) -> Response:
         if isinstance(exc, EmberError):  # a package hook or plugin failed: say which, as it said it
-            message = str(exc)
-        else:
-            message = f"The replica failed to handle the request: {type(exc).__name__}: {exc}"
-        return _error_response(ProtocolError(500, message, None, "internal_error"))
+            return _error_response(ProtocolError(500, str(exc), None, "internal_error"))
+        # Anything else goes to the log only: an exception's class and text can reveal internals.
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        log.error("%s %s failed (request %s)", request.method, request.url.path, request_id, exc_info=exc)
+        return _error_response(ProtocolError(500, f"The replica hit an internal error (request id {request_id}).",
+                                             None, "internal_error"))
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
