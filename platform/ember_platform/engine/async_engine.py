@@ -33,13 +33,17 @@ class EngineDeadError(RuntimeError):
     """The step loop crashed; the replica must be restarted."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed on this one request (its other requests go on); the message says what failed."""
+
+
 def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     """One output that says what `first` and then `then` (the same request's next steps) said."""
     logprobs = None
     if first.logprobs is not None or then.logprobs is not None:
         logprobs = [*(first.logprobs or ()), *(then.logprobs or ())]
     return RequestOutput(first.request_id, first.new_token_ids + then.new_token_ids, first.new_text + then.new_text,
-                         then.finished, then.finish_reason, then.stop_reason, then.usage, logprobs)
+                         then.finished, then.finish_reason, then.stop_reason, then.usage, logprobs, then.error)
 
 
 class _OutputStream:
@@ -167,6 +171,8 @@ class AsyncEngine:
             while True:
                 item = await stream.get()
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
                 yield item
                 if finished:
                     return
@@ -214,10 +220,15 @@ class AsyncEngine:
                 request_id, prompt, params, lora_name, cache_salt = payload
                 try:
                     self.engine.add_request(request_id, prompt, params, lora_name=lora_name, cache_salt=cache_salt)
-                except (ValueError, TypeError) as e:
+                except Exception as e:  # a request the engine cannot take fails alone
+                    if not isinstance(e, ValueError | TypeError):
+                        log.exception("request %s could not be added", request_id)
                     self._deliver([(request_id, e)])
             elif kind == "abort":
-                self.engine.abort(payload)
+                try:
+                    self.engine.abort(payload)
+                except Exception:
+                    log.exception("aborting request %s failed", payload)
 
     def _loop(self) -> None:
         try:

@@ -9,6 +9,7 @@ entries, or `add_lora` at run time); requests for different adapters share one b
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -52,7 +53,13 @@ CPU_KV_CACHE_DEFAULT_GB = 4.0  # like vLLM's CPU backend: a fixed budget, since 
 NATIVE_BF16_CPU_FEATURES = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 # LoRA serving knobs (engine keywords; no manifest field yet): device slots, the largest rank accepted,
 # adapters kept in host memory, and an optional device-memory budget for the slots in GiB.
+# A forward pass fails for the whole batch; so many in a row mean the model itself is broken, not one request.
+MAX_CONSECUTIVE_FORWARD_FAILURES = 3
 LORA_OPTIONS = {"max_loras": 4, "max_lora_rank": 64, "max_cpu_loras": None, "lora_memory_gb": None}
+
+
+class EngineBrokenError(RuntimeError):
+    """The engine cannot run its model any more (forward passes keep failing): the replica must be replaced."""
 
 
 @dataclass(slots=True)
@@ -136,6 +143,7 @@ class LLMEngine:
         self.prefill_tokens_per_s = 0.0  # measured on large steps; 0 until one ran (the router prices tier fetches)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self._forward_failures = 0  # forward passes failed in a row (see step)
         self.timings["init"] = time.perf_counter() - t0
         if self.kv_tiers is not None and self.kv_tiers.config.seed_prefixes:
             self._seed_from_tiers(self.kv_tiers.config.seed_prefixes)
@@ -265,6 +273,9 @@ class LLMEngine:
                              "(prompt plus at least one generated token)")
         if max(ids) >= self.vocab_size or min(ids) < 0:
             raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size})")
+        outside = [i for i in params.stop_token_ids if i >= self.vocab_size]
+        if outside:  # the sampler indexes the vocabulary with them (to hold them back until min_tokens)
+            raise ValueError(f"stop_token_ids: token ids must be in [0, {self.vocab_size}), got {outside[0]}")
         if lora_name is not None and lora_name not in self.lora.specs:
             raise UnknownLoRAError(lora_name, self.lora.names)
         if self.sleeping:  # a request is what wakes a sleeping engine
@@ -293,6 +304,9 @@ class LLMEngine:
     # --- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step for the scheduled batch. A failure that belongs to one request (its sampling, its stop or
+        output processing) fails that request alone; a failed forward pass fails the step's requests, and only
+        MAX_CONSECUTIVE_FORWARD_FAILURES of those in a row (the model itself is broken) raise EngineBrokenError."""
         outputs: list[RequestOutput] = []
         batch = self.scheduler.schedule()
         outputs.extend(self._finish_output(req, []) for req in batch.refused)
@@ -301,23 +315,60 @@ class LLMEngine:
                 self.kv_tiers.wait_staged(0.01)  # only prefixes being read from a tier remain: wait, don't spin
             return outputs
         t0 = time.perf_counter()
-        result = self.runner.execute(batch)
+        try:
+            result = self.runner.execute(batch)
+        except Exception as e:
+            self._forward_failures += 1
+            log.exception("the forward pass failed for %d request(s) (%d in a row)", len(batch.requests),
+                          self._forward_failures)
+            if self._forward_failures >= MAX_CONSECUTIVE_FORWARD_FAILURES:
+                raise EngineBrokenError(f"{self._forward_failures} forward passes in a row failed; last: "
+                                        f"{type(e).__name__}: {e}") from e
+            outputs.extend(self._fail(req, "the model's forward pass failed") for req in batch.requests)
+            return outputs
+        self._forward_failures = 0
         sampled_tokens = self._sample(result)  # reads the tokens back: the device is done with the step here
         self._measure_prefill(sum(batch.num_tokens), time.perf_counter() - t0)
+        failed = {id(req) for req, tokens in zip(result.sampled, sampled_tokens, strict=True) if tokens is None}
         for req, n in zip(batch.requests, batch.num_tokens, strict=True):
+            if id(req) in failed:
+                continue
             req.num_computed_tokens += n
             # Register full computed blocks now: a request that finishes this step frees them in _append,
             # and its prompt must still be in the prefix cache for the next request.
             self.kv.cache_blocks(req)
         for req, new_tokens in zip(result.sampled, sampled_tokens, strict=True):
-            out = self._append(req, new_tokens)
+            if new_tokens is None:
+                outputs.append(self._fail(req, "sampling failed"))
+                continue
+            try:
+                out = self._append(req, new_tokens)
+            except Exception:
+                log.exception("request %s: processing its new tokens failed", req.request_id)
+                outputs.append(self._fail(req, "processing the generated tokens failed"))
+                continue
             if out is not None:
                 outputs.append(out)
         for req in batch.requests:
             if not req.status.finished:
                 self.kv.cache_blocks(req)
-        self._propose()
+        try:
+            self._propose()
+        except Exception:  # drafts are an optimization: a speculator that fails costs this step's drafts only
+            log.exception("the speculator failed; this step has no drafts")
+            for req in self.scheduler.running:
+                req.spec_token_ids = []
         return outputs
+
+    def _fail(self, req: Request, what: str) -> RequestOutput:
+        """End one request with finish reason "error" (its blocks freed); the engine goes on with the others."""
+        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        if self.speculator:
+            with contextlib.suppress(Exception):
+                self.speculator.release(req.request_id)
+        out = self._finish_output(req, [])
+        out.error = f"the engine failed on this request: {what}"
+        return out
 
     def _measure_prefill(self, num_tokens: int, seconds: float) -> None:
         """Track the tokens/s of steps large enough to be prefill-bound (a moving average: the load changes)."""
@@ -327,45 +378,68 @@ class LLMEngine:
         self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
             0.8 * self.prefill_tokens_per_s + 0.2 * rate
 
-    def _sample(self, result: ForwardResult) -> list[list[int]]:
+    def _sample(self, result: ForwardResult) -> list[list[int] | None]:
+        """Each sampled request's new tokens (verified drafts included). If sampling the batch fails, each request
+        is sampled alone, so that one whose parameters break the sampler fails alone (None) and the rest go on."""
         if not result.sampled:
             return []
-        reqs = result.sampled
+        try:
+            return list(self._sample_rows(result.sampled, result.num_rows, result.logits))
+        except Exception:
+            log.exception("sampling a batch of %d request(s) failed; sampling each alone", len(result.sampled))
+        tokens: list[list[int] | None] = []
+        row = 0
+        for req, n in zip(result.sampled, result.num_rows, strict=True):
+            try:
+                tokens += self._sample_rows([req], [n], result.logits[row:row + n])
+            except Exception:
+                log.exception("request %s: sampling failed", req.request_id)
+                tokens.append(None)
+            row += n
+        return tokens
+
+    def _sample_rows(self, reqs: Sequence[Request], num_rows: Sequence[int],
+                     logits: torch.Tensor) -> list[list[int]]:
         drafts = [list(r.spec_token_ids) for r in reqs]
         states = [self._states[r.request_id] for r in reqs]
         params = [r.params for r in reqs]
         needs_history = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params)
         suppressed = [self._suppressed(r) for r in reqs]
         batch = SamplingBatch.build(
-            params, vocab_size=result.logits.shape[-1], device=self.device,
+            params, vocab_size=logits.shape[-1], device=self.device,
             generators=[s.generator for s in states],
             prompt_ids=[r.prompt_token_ids for r in reqs] if needs_history else None,
             output_ids=[r.output_token_ids for r in reqs] if needs_history else None,
             suppressed_ids=suppressed if any(suppressed) else None,
             draft_ids=drafts if any(drafts) else None,
         )
-        out = self.sampler.sample(result.logits, batch)
+        out = self.sampler.sample(logits, batch)
         token_rows = out.token_ids.tolist()
         logprob_rows = out.token_logprobs() if batch.any_logprobs else None
         probs = None
         results: list[list[int]] = []
+        new_logprobs: list[tuple[_RequestState, TokenLogprobs]] = []
         row = 0
         for i, req in enumerate(reqs):
-            n = result.num_rows[i]
+            n = num_rows[i]
             if not drafts[i]:
                 results.append([token_rows[row]])
                 if logprob_rows is not None and logprob_rows[row] is not None:
-                    states[i].logprobs.append(logprob_rows[row])
+                    new_logprobs.append((states[i], logprob_rows[row]))
             elif req.params.greedy:
                 results.append(verify_greedy(token_rows[row:row + n], drafts[i]))
             else:
                 if probs is None:
-                    probs = self.sampler.probs(result.logits, batch)
+                    probs = self.sampler.probs(logits, batch)
                 results.append(verify_rejection(probs[row:row + n], drafts[i], None, states[i].generator))
-            if drafts[i]:
-                self.num_draft_tokens += len(drafts[i])
-                self.num_accepted_tokens += len(results[-1]) - 1
             row += n
+        # Recorded only now: when this raises part-way, the requests are sampled again one by one (see _sample).
+        for state, logprobs in new_logprobs:
+            state.logprobs.append(logprobs)
+        for draft, tokens in zip(drafts, results, strict=True):
+            if draft:
+                self.num_draft_tokens += len(draft)
+                self.num_accepted_tokens += len(tokens) - 1
         return results
 
     def _suppressed(self, req: Request) -> set[int]:

@@ -61,5 +61,6 @@ class LLM:
                     done.logprobs = (done.logprobs or []) + list(out.logprobs)
                 if out.finished:
                     done.finish_reason, done.stop_reason, done.usage = out.finish_reason, out.stop_reason, out.usage
+                    done.error = out.error
                     self.engine.forget(out.request_id)
         return [outputs[i] for i in order]

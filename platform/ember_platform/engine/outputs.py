@@ -26,10 +26,11 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None  # "stop", "length", "abort"
+    finish_reason: str | None  # "stop", "length", "abort", "error"
     stop_reason: int | str | None  # the stop token id or stop string that ended it
     usage: Usage
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
+    error: str | None = None  # with finish_reason "error": what failed (the engine itself goes on)
 
 
 @dataclass(slots=True)
@@ -44,3 +45,4 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     usage: Usage | None = None
     logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None  # finish_reason "error": the engine failed on this request

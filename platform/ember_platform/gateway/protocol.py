@@ -285,8 +285,15 @@ class GenerationRequest(BaseModel):
                 message = param + message[len(e.field):]
             raise invalid_request(param, f"Invalid '{param}': {message}.") from None
 
-    def sampling_params_for(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-        """`to_sampling_params` once the prompt is tokenized: 400 if prompt plus requested output cannot fit."""
+    def sampling_params_for(self, num_prompt_tokens: int, max_model_len: int,
+                            vocab_size: int | None = None) -> SamplingParams:
+        """`to_sampling_params` once the prompt is tokenized: 400 if prompt plus requested output cannot fit, or
+        (given the model's `vocab_size`) if a token id the request names is not in the vocabulary."""
+        if vocab_size is not None:
+            outside = [i for i in self.stop_token_ids or () if i >= vocab_size]
+            if outside:
+                raise invalid_request("stop_token_ids", f"Invalid 'stop_token_ids': token ids must be in "
+                                                        f"[0, {vocab_size}), got {outside[0]}.")
         room = max_model_len - num_prompt_tokens
         requested = self.requested_max_tokens
         if room < 1 or (requested is not None and requested > room):

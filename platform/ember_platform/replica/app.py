@@ -242,6 +242,12 @@ class Replica:
             reason = "error"
             if self.failure is not None:  # the engine died under this request: another replica can take it
                 raise _not_serving(self.state, self.failure) from e
+            from ember_platform.engine.async_engine import RequestFailedError
+
+            if isinstance(e, RequestFailedError):  # this request alone failed; the replica serves on
+                log.error("request %s: %s", request_id, e)
+                raise ProtocolError(500, f"Generation failed: {e}. The other requests are not affected.", None,
+                                    "generation_failed", type="server_error") from None
             raise
         finally:
             self.metrics.requests_finished.labels(reason).inc()
@@ -547,7 +553,7 @@ def create_app(replica: Replica) -> Starlette:
         adapter = _adapter(replica, body)
         prompt = _chat_prompt_ids(replica, body)
         assert replica.engine is not None
-        params = body.sampling_params_for(len(prompt), replica.engine.max_model_len)
+        params = body.sampling_params_for(len(prompt), replica.engine.max_model_len, replica.engine.vocab_size)
         response_id = new_chat_completion_id()
         if body.stream:
             stream = ChatStream(model=body.model, token_text=replica.token_text, include_usage=body.include_usage,
@@ -564,7 +570,8 @@ def create_app(replica: Replica) -> Starlette:
         adapter = _adapter(replica, body)
         prompts = _prompt_ids(replica, body)
         assert replica.engine is not None
-        params = [body.sampling_params_for(len(ids), replica.engine.max_model_len) for ids in prompts]
+        params = [body.sampling_params_for(len(ids), replica.engine.max_model_len, replica.engine.vocab_size)
+                  for ids in prompts]
         response_id = new_completion_id()
         if body.stream:
             stream = CompletionStream(model=body.model, token_text=replica.token_text,
