@@ -37,7 +37,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 from ember_platform.control.deployments import Deployment, Replica
 from ember_platform.routing import (
@@ -61,6 +61,9 @@ OUTAGE_BACKOFF_S = 2.0  # after the tables failed to answer, leave them alone th
 # Requests a replica is sent at once before the router prefers waiting elsewhere; engines queue beyond
 # max_num_seqs themselves, so the embedded gateway does not cap it (the load scorer prices the queueing).
 UNCAPPED = 1 << 20
+# Routing tokenizes at most this many characters of a text prompt per token of context: enough for the blocks any
+# replica could hold (a token is rarely longer), so a prompt far past the context costs no more than a full one.
+ROUTING_CHARS_PER_TOKEN = 16
 
 
 class KVAwareChooser:
@@ -87,14 +90,19 @@ class KVAwareChooser:
         self._down_until = 0.0  # monotonic time before which the tables are not asked (an outage)
         self._lock = threading.Lock()
         self._io = ThreadPoolExecutor(2, thread_name_prefix="ember-routing-io")  # releases and refreshes
+        self._hashing = ThreadPoolExecutor(2, thread_name_prefix="ember-routing-hash")  # tokenize + hash prompts
 
     # --- the proxy's interface -------------------------------------------------------------------
 
     async def achoose(self, deployment: Deployment, candidates: Sequence[Replica], body: bytes,
                       request_id: str) -> Replica:
-        if self.observe_routing:  # in-process tables: no round trip, no thread
-            return self._choose(deployment, candidates, body, request_id)
-        return await asyncio.to_thread(self._choose, deployment, candidates, body, request_id)
+        # Tokenizing and hashing cost CPU in proportion to the prompt: a worker thread does it, never the event loop
+        # (a 4 MB prompt once held every request, /health included, for seconds).
+        prompt = await asyncio.get_running_loop().run_in_executor(self._hashing, self._prompt_blocks, deployment,
+                                                                  body)
+        if self.observe_routing:  # in-process tables: the cheap choice and table update stay on the loop, their owner
+            return self._choose(deployment, candidates, prompt, request_id)
+        return await asyncio.to_thread(self._choose, deployment, candidates, prompt, request_id)
 
     def prefilled(self, request_id: str) -> None:
         """The request's first bytes came back: its prompt no longer counts as prefill pending on its replica
@@ -178,17 +186,26 @@ class KVAwareChooser:
                         OUTAGE_BACKOFF_S)
         self._down_until = time.monotonic() + OUTAGE_BACKOFF_S
 
-    def _choose(self, dep: Deployment, candidates: Sequence[Replica], body: bytes, request_id: str) -> Replica:
-        by_id = {r.id: r for r in candidates}
+    def _prompt_blocks(self, dep: Deployment, body: bytes) -> _PromptBlocks:
+        """The request's prompt as routing sees it: block hashes of at most the model's context (the first
+        `max_model_len * ROUTING_CHARS_PER_TOKEN` characters of a text prompt), its token count and adapter."""
         hasher = PromptHasher.for_package(dep.active.package_dir)
-        parsed, lora = _parse(body)
-        hashes: tuple[bytes, ...] = ()
-        ids = None
-        if self.policy == "kv":
-            ids = hasher.request_ids(parsed) if parsed is not None else None
-            hashes = hasher.block_hashes(ids, lora=lora, salt=getattr(parsed, "cache_salt", None)) if ids else ()
+        max_model_len = dep.active.manifest.runtime.max_model_len
+        parsed, lora, truncated = _parse(body, max_chars=max_model_len * ROUTING_CHARS_PER_TOKEN)
+        if self.policy != "kv" or parsed is None:
+            return _PromptBlocks((), 0, lora, hasher.block_size)
+        ids = hasher.request_ids(parsed) or []
+        if truncated:  # tokens near the cut may differ from the whole prompt's: keep only full blocks well before it
+            ids = ids[:max(0, (min(len(ids), max_model_len) // hasher.block_size - 1) * hasher.block_size)]
+        hashes = hasher.block_hashes(ids, lora=lora, salt=getattr(parsed, "cache_salt", None)) if ids else ()
+        return _PromptBlocks(hashes, len(ids), lora, hasher.block_size)
+
+    def _choose(self, dep: Deployment, candidates: Sequence[Replica], prompt: _PromptBlocks,
+                request_id: str) -> Replica:
+        by_id = {r.id: r for r in candidates}
+        hashes, lora = prompt.hashes, prompt.lora
         if self.observe_routing:
-            self._register(dep, candidates, hasher.block_size)
+            self._register(dep, candidates, prompt.block_size)
         allowed = set(by_id)
         if self.policy == "round-robin":  # the baseline: every replica in turn, whatever it holds
             self._turn += 1
@@ -196,7 +213,7 @@ class KVAwareChooser:
         if not self.observe_routing and time.monotonic() < self._down_until:
             return min(candidates, key=lambda r: r.in_flight)  # an outage: don't wait on the tables again yet
         try:
-            reservation = self.router.choose(dep.name, hashes, lora, num_prompt_tokens=len(ids or ()),
+            reservation = self.router.choose(dep.name, hashes, lora, num_prompt_tokens=prompt.num_tokens,
                                              allowed=allowed, hold_s=dep.request_timeout + 60)
         except RoutingError as e:  # tables unreachable or nothing ready in them: the control plane's view decides
             if isinstance(e, TablesUnavailable):
@@ -247,23 +264,38 @@ class KVAwareChooser:
             adapters.move_to_end(lora)
 
 
-def _parse(body: bytes) -> tuple[Any | None, str | None]:
-    """The request as the prompt hasher reads it (chat messages or completion prompts) and its adapter."""
+class _PromptBlocks(NamedTuple):
+    hashes: tuple[bytes, ...]
+    num_tokens: int
+    lora: str | None
+    block_size: int
+
+
+def _parse(body: bytes, *, max_chars: int) -> tuple[Any | None, str | None, bool]:
+    """The request as the prompt hasher reads it (chat messages or completion prompts), its adapter, and whether
+    its text was cut to `max_chars` (a chat longer than that routes on load alone)."""
     try:
         data = json.loads(body)
-    except ValueError:
-        return None, None
+    except (ValueError, RecursionError):
+        return None, None, False
     if not isinstance(data, dict):
-        return None, None
+        return None, None, False
     model = data.get("model")
     lora = model.split(":", 1)[1] if isinstance(model, str) and ":" in model else None
     salt = data.get("cache_salt") if isinstance(data.get("cache_salt"), str) else None
     if isinstance(data.get("messages"), list):
         messages, tools = data["messages"], data.get("tools")
+        if sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)) > \
+                max_chars:
+            return None, lora, False
         return SimpleNamespace(template_messages=lambda: messages, template_tools=lambda: tools,
-                               cache_salt=salt), lora
+                               cache_salt=salt), lora, False
     prompt = data.get("prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt):
         prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
-        return SimpleNamespace(prompts=lambda: prompts, cache_salt=salt), lora
-    return None, lora
+        first = prompts[0]
+        truncated = isinstance(first, str) and len(first) > max_chars
+        if truncated:
+            prompts = [first[:max_chars]]
+        return SimpleNamespace(prompts=lambda: prompts, cache_salt=salt), lora, truncated
+    return None, lora, False

@@ -19,6 +19,7 @@ from .chat_template import ChatTemplateError, render_chat_template
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 ChatTemplates = str | dict[str, str]
+GIL_FREE_ENCODE_CHARS = 4096  # shorter texts encode faster holding the GIL (~25 us less) than releasing it
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -179,7 +180,11 @@ class Tokenizer:
         return self.special_tokens.get("eos_token")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) < GIL_FREE_ENCODE_CHARS:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # `encode` holds the GIL for the whole call (seconds for a long prompt, while no other thread, an event loop
+        # included, runs); `encode_batch` releases it and gives the same ids.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
