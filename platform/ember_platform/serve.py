@@ -23,6 +23,7 @@ from ember_platform.control.launcher import LocalProcessLauncher
 from ember_platform.control.plane import ControlPlane
 from ember_platform.gateway.app import create_app
 from ember_platform.gateway.auth import ADMIN_KEY_ENV, Authenticator, KeyStore
+from ember_platform.gateway.connections import ConnectionLimits, guarded_protocol
 from ember_platform.gateway.proxy import ReplicaChooser, RoundRobin
 from ember_platform.routing import RoutingTables
 
@@ -159,7 +160,9 @@ def serve(package_dirs: Sequence[Path] = (), *, host: str = "127.0.0.1", port: i
 
     app = create_app(plane, authenticator=authenticator, chooser=chooser, ready=lambda: bool(state["ready"]),
                      on_startup=on_startup)
-    config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    # Header and body read timeouts and a per-client connection cap (uvicorn has none): gateway/connections.py.
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            http=guarded_protocol(ConnectionLimits.from_env()))
     server = _Server(config)
     try:
         server.run(sockets=[sock])

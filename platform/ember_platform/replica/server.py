@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 
+from ember_platform.gateway.connections import ConnectionLimits, guarded_protocol
 from ember_platform.replica.app import STARTING, Replica, create_app
 from ember_platform.replica.routing import RoutingPresence
 
@@ -171,7 +172,8 @@ def serve(replica: Replica, *, host: str = "127.0.0.1", port: int = 0, drain_tim
     """Serve a replica until drained; returns the process exit code (0 after a drain, 1 if loading failed)."""
     config = uvicorn.Config(create_app(replica), host=host, port=port, log_level=log_level, lifespan="off",
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS, timeout_keep_alive=KEEPALIVE_SECONDS,
-                            loop=EVENT_LOOP, http="auto", access_log=log_level in ("debug", "trace"))
+                            loop=EVENT_LOOP, http=guarded_protocol(ConnectionLimits.from_env(replica=True)),
+                            access_log=log_level in ("debug", "trace"))
     server = ReplicaServer(config, replica, drain_timeout=drain_timeout, redis_url=redis_url)
     server.run()
     return server.exit_code
