@@ -1,0 +1,82 @@
+"""Hostile request bodies at the protocol layer, which the replica parses with: nesting depth, lone surrogates in
+every text field, prompt fan-out. Each is a ProtocolError naming the field, never a Python exception."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ember_platform.gateway.errors import ProtocolError
+from ember_platform.gateway.protocol import MAX_PROMPTS, parse_chat_request, parse_completion_request
+from ember_platform.gateway.request_body import MAX_JSON_DEPTH, json_depth_exceeds, loads, lone_surrogate_path
+
+
+def nested(depth: int, opener: bytes = b"[", closer: bytes = b"]") -> bytes:
+    return opener * depth + closer * depth
+
+
+def test_depth_is_counted_exactly_for_arrays_and_objects() -> None:
+    assert not json_depth_exceeds(nested(MAX_JSON_DEPTH))
+    assert json_depth_exceeds(nested(MAX_JSON_DEPTH + 1))
+    objects = b'{"a":' * (MAX_JSON_DEPTH + 1) + b"1" + b"}" * (MAX_JSON_DEPTH + 1)
+    assert json_depth_exceeds(objects)
+    assert json_depth_exceeds(b"[{" * 40 + b"}]" * 40)  # 80 levels, mixed
+    wide = b"[" + b",".join([b"[[1]]"] * 5000) + b"]"  # many brackets, three levels
+    assert not json_depth_exceeds(wide)
+    json.loads(wide)
+
+
+def test_brackets_inside_strings_do_not_count() -> None:
+    text = json.dumps({"prompt": "[" * 5000 + '\\"{' * 100, "stop": ["]]]"]}).encode()
+    assert not json_depth_exceeds(text)
+    assert loads(text)["prompt"].startswith("[[[")
+
+
+def test_deep_nesting_is_an_invalid_json_400_not_a_recursion_error() -> None:
+    body = b'{"model": "m", "prompt": ' + nested(10_000) + b"}"
+    for parse in (parse_completion_request, parse_chat_request):
+        with pytest.raises(ProtocolError) as caught:
+            parse(body)
+        assert caught.value.status == 400 and caught.value.code == "invalid_json"
+        assert str(MAX_JSON_DEPTH) in caught.value.message
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"model": "m\ud800", "prompt": "x"}, "model"),
+    ({"model": "m", "prompt": "x\udfff"}, "prompt"),
+    ({"model": "m", "prompt": ["ok", "\udc00"]}, "prompt[1]"),
+    ({"model": "m", "prompt": "x", "stop": ["a", "\ud83d"]}, "stop[1]"),
+    ({"model": "m", "prompt": "x", "user": "\ud800"}, "user"),
+    ({"model": "m", "prompt": "x", "extra": {"\ud800key": 1}}, "extra.\\ud800key"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(body: dict, param: str) -> None:
+    raw = json.dumps(body).encode()  # ensure_ascii: the surrogate travels as a \uXXXX escape, as a client sends it
+    for sent in (raw, body):  # raw bytes (the replica's path) or already decoded
+        with pytest.raises(ProtocolError) as caught:
+            parse_completion_request(sent)
+        error = caught.value
+        assert (error.status, error.param, error.code) == (400, param, "invalid_unicode")
+        json.dumps(error.body(), ensure_ascii=False).encode("utf-8")  # the error itself can be sent
+
+
+def test_a_lone_surrogate_in_a_chat_message_names_the_message() -> None:
+    body = {"model": "m", "messages": [{"role": "system", "content": "ok"},
+                                       {"role": "user", "content": [{"type": "text", "text": "a\ud800"}]}]}
+    with pytest.raises(ProtocolError) as caught:
+        parse_chat_request(json.dumps(body))
+    assert caught.value.param == "messages[1].content[0].text"
+
+
+def test_surrogate_pairs_are_ordinary_text() -> None:
+    raw = json.dumps({"model": "m", "prompt": "smile \U0001F600"}).encode()  # "\ud83d\ude00": a valid pair
+    assert parse_completion_request(raw).prompt == "smile \U0001F600"
+    assert lone_surrogate_path(json.loads(raw)) is None
+
+
+@pytest.mark.parametrize("prompt", [["x"] * (MAX_PROMPTS + 1), [[1, 2]] * (MAX_PROMPTS + 1)])
+def test_prompt_lists_are_capped(prompt: list) -> None:
+    with pytest.raises(ProtocolError) as caught:
+        parse_completion_request({"model": "m", "prompt": prompt})
+    assert caught.value.status == 400 and caught.value.param == "prompt"
+    assert len(parse_completion_request({"model": "m", "prompt": prompt[:MAX_PROMPTS]}).prompts()) == MAX_PROMPTS
