@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from ember.errors import EmberError
 from ember_platform.gateway.errors import error_body
 
 log = logging.getLogger("ember.connections")
@@ -75,7 +76,7 @@ def _number(env: Mapping[str, str], name: str, default: float) -> float:
     except ValueError:
         number = -1.0
     if number < 0:
-        raise ValueError(f"{name}={value!r}: expected a number >= 0")
+        raise EmberError(f"{name}={value!r}: expected a number >= 0")
     return number
 
 

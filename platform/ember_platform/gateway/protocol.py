@@ -27,6 +27,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ember.errors import EmberError
 from ember_platform.engine.sampling_params import SamplingParams, SamplingParamsError
 from ember_platform.gateway import request_body
 from ember_platform.gateway.errors import (
@@ -42,7 +43,17 @@ MAX_STOP_SEQUENCES = 4
 MAX_PROMPTS_ENV = "EMBER_MAX_PROMPTS"
 # Prompts in one /v1/completions request: each becomes an engine request, so one body must not fan out without
 # bound. $EMBER_MAX_PROMPTS sets it (read at start-up: replicas inherit the gateway's environment).
-MAX_PROMPTS = int(os.environ.get(MAX_PROMPTS_ENV) or 128)
+MAX_PROMPTS_DEFAULT = 128
+
+
+def _max_prompts() -> int:
+    value = os.environ.get(MAX_PROMPTS_ENV) or str(MAX_PROMPTS_DEFAULT)
+    if not value.isdigit() or int(value) < 1:
+        raise EmberError(f"{MAX_PROMPTS_ENV}={value!r}: expected a positive number of prompts")
+    return int(value)
+
+
+MAX_PROMPTS = _max_prompts()
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 # OpenAI's (and vLLM's) default for /v1/completions when the body has no max_tokens; chat has none.

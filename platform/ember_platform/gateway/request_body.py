@@ -11,6 +11,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from ember.errors import EmberError
 from ember_platform.gateway.errors import ProtocolError, invalid_json, invalid_request
 
 MAX_BODY_BYTES_ENV = "EMBER_MAX_BODY_BYTES"
@@ -35,7 +36,7 @@ def max_body_bytes() -> int:
     except ValueError:
         limit = 0
     if limit < 1:
-        raise ValueError(f"{MAX_BODY_BYTES_ENV}={value!r}: expected a positive number of bytes")
+        raise EmberError(f"{MAX_BODY_BYTES_ENV}={value!r}: expected a positive number of bytes")
     return limit
 
 
