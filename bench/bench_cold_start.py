@@ -36,8 +36,8 @@ def start_replica(model: Path, quantization: str, cache: Path, threads: int) -> 
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "ember_platform.replica", "--package", str(model), "--port", "0",
                              "--threads", str(threads), "--override", f"quantization={quantization}",
-                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=env)
+                             "--log-level", "warning", "--no-auth"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env=env)
     try:
         assert proc.stdout is not None
         url = None

@@ -25,6 +25,7 @@ from ember_platform.gateway.app import create_app
 from ember_platform.gateway.auth import ADMIN_KEY_ENV, Authenticator, KeyStore
 from ember_platform.gateway.connections import ConnectionLimits, guarded_protocol
 from ember_platform.gateway.proxy import ReplicaChooser, RoundRobin
+from ember_platform.replica.auth import cluster_secret
 from ember_platform.routing import RoutingTables
 
 logger = logging.getLogger("ember.serve")
@@ -82,9 +83,11 @@ def _authenticator(home: Path, no_auth: bool, host: str, say: Callable[[str], No
     return Authenticator.from_env(store)
 
 
-def _routing(redis_url: str | None, say: Callable[[str], None]) -> tuple[RoutingTables, ReplicaChooser]:
+def _routing(redis_url: str | None, say: Callable[[str], None],
+             replica_secret: str | None = None) -> tuple[RoutingTables, ReplicaChooser]:
     """The routing tables (Redis, shared with other gateways, or in-process ones) and the gateway's routing over them:
-    KV-aware, or round robin. The control plane writes its deployments' states to the same tables."""
+    KV-aware, or round robin. The control plane writes its deployments' states to the same tables.
+    `replica_secret`: the cluster secret, for the replicas of other gateways found in shared tables."""
     policy = os.environ.get(ROUTING_ENV, "kv")
     if policy not in ("kv", "round-robin"):
         raise EmberError(f"{ROUTING_ENV}={policy!r}: expected 'kv' or 'round-robin'")
@@ -101,7 +104,8 @@ def _routing(redis_url: str | None, say: Callable[[str], None]) -> tuple[Routing
         return tables, RoundRobin()                  # ones then hold only the control plane's deployment states
     if redis_url:
         say(f"routing tables in Redis at {redis_url} ({policy} routing)")
-    return tables, KVAwareChooser(Router.from_config(tables), observe_routing=redis_url is None, policy=policy)
+    return tables, KVAwareChooser(Router.from_config(tables), observe_routing=redis_url is None, policy=policy,
+                                  replica_secret=replica_secret)
 
 
 def serve(package_dirs: Sequence[Path] = (), *, host: str = "127.0.0.1", port: int = 8000,
@@ -112,11 +116,14 @@ def serve(package_dirs: Sequence[Path] = (), *, host: str = "127.0.0.1", port: i
     Prints `EMBER_SERVE_READY http://HOST:PORT` when every package's replicas are ready. Returns the exit code.
     """
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
-    tables, chooser = _routing(redis_url, say)
+    home = serve_home()
+    # Gateways that share Redis route to each other's replicas: all of them need one secret for the replicas.
+    # Alone, a gateway gives each replica a fresh secret, unless $EMBER_REPLICA_SECRET chooses one.
+    replica_secret = cluster_secret(home if redis_url else None)
+    tables, chooser = _routing(redis_url, say, replica_secret)
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(levelname)s:     %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness probe otherwise
-    home = serve_home()
     home.mkdir(parents=True, exist_ok=True)
     registry = open_registry(registry_url, endpoint_url)
     references = []
@@ -129,7 +136,8 @@ def serve(package_dirs: Sequence[Path] = (), *, host: str = "127.0.0.1", port: i
     url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
 
     plane = ControlPlane(registry, packages_dir=home / "packages", cache=BlobCache.default(),
-                         launcher=LocalProcessLauncher(log_dir=home / "logs", redis_url=redis_url),
+                         launcher=LocalProcessLauncher(log_dir=home / "logs", redis_url=redis_url,
+                                                       secret=replica_secret),
                          routing_tables=tables)
     state: dict[str, object] = {"ready": False, "failed": None}
     server: _Server | None = None

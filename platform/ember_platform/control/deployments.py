@@ -41,10 +41,16 @@ class Replica:
     in_flight: int = 0            # requests the gateway has open on it
     served: int = 0
     remote_url: str | None = None  # a replica another gateway's control plane runs, found in the routing tables
+    remote_secret: str | None = field(default=None, repr=False)  # the cluster secret such a replica requires
 
     @property
     def url(self) -> str | None:
         return self.handle.url if self.handle else self.remote_url
+
+    @property
+    def secret(self) -> str | None:
+        """What the replica requires in `Authorization: Bearer ...` (replica/auth.py)."""
+        return self.handle.secret if self.handle else self.remote_secret
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "version": self.version, "state": str(self.state), "url": self.url,

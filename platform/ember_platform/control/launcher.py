@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ember_platform.replica.auth import SECRET_ENV, new_secret
+
 logger = logging.getLogger("ember.control.launcher")
 
 READY_LINE = "EMBER_REPLICA_READY "
@@ -35,6 +37,7 @@ class ReplicaHandle:
     url: str
     pid: int | None = None
     log_path: Path | None = None
+    secret: str | None = field(default=None, repr=False)  # what the replica requires on every call but its probes
     process: Any = field(default=None, repr=False)  # the launcher's own object (here an asyncio Process)
 
 
@@ -101,8 +104,11 @@ class LocalProcessLauncher(Launcher):
 
     def __init__(self, *, log_dir: Path, host: str = "127.0.0.1", python: str = sys.executable,
                  start_timeout: float = 300.0, drain_timeout: float = 30.0, kill_timeout: float = 10.0,
-                 threads: int | None = None, redis_url: str | None = None) -> None:
+                 threads: int | None = None, redis_url: str | None = None, secret: str | None = None) -> None:
+        """`secret`: the cluster secret every replica gets (replica/auth.py), for gateways that route to each other's
+        replicas; None gives each replica a fresh one of its own, which only this launcher's caller knows."""
         self.log_dir = Path(log_dir)
+        self.secret = secret
         self.redis_url = redis_url  # replicas publish their load and KV blocks there for every gateway
         # torch CPU threads per replica: given, or the machine's default (`default_replica_threads`).
         self.threads = threads if threads is not None else default_replica_threads()
@@ -130,14 +136,17 @@ class LocalProcessLauncher(Launcher):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{label}.log"
         cmd = self.command(package_dir, overrides)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"EMBER_REPLICA_ID": replica_id} if replica_id else {})}
+        # The secret goes through the environment, never argv (which any local user sees in `ps`).
+        secret = self.secret or new_secret()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", SECRET_ENV: secret,
+               **({"EMBER_REPLICA_ID": replica_id} if replica_id else {})}
         with open(log_path, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()
             process = await asyncio.create_subprocess_exec(
                 *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=log, env=env,
                 start_new_session=True, preexec_fn=die_with_parent())
-        handle = ReplicaHandle(url="", pid=process.pid, log_path=log_path, process=process)
+        handle = ReplicaHandle(url="", pid=process.pid, log_path=log_path, process=process, secret=secret)
         try:
             handle.url = await asyncio.wait_for(self._read_ready(process, log_path), self.start_timeout)
         except TimeoutError:

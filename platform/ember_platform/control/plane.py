@@ -31,12 +31,16 @@ from ember_platform.control.deployments import (
 )
 from ember_platform.control.launcher import Launcher
 from ember_platform.control.state import DeploymentStates
+from ember_platform.replica.app import FAILED
+from ember_platform.replica.auth import auth_headers
 from ember_platform.routing import DeploymentState, RoutingTables
 from ember_platform.routing.memory import InProcessTables
 
 logger = logging.getLogger("ember.control")
 
 PROBE_TIMEOUT_S = 2.0
+# A replica whose engine died exits by itself once nothing is in flight (replica/server.py); past this, it is killed.
+FAILED_GRACE_S = 3.0
 MAX_BACKOFF_S = 30.0
 
 
@@ -451,25 +455,27 @@ class ControlPlane:
     async def _post_sleep(self, dep: Deployment, replica: Replica) -> None:
         assert self._probe_client is not None
         try:
-            response = await self._probe_client.post(f"{replica.url}/sleep")
+            response = await self._probe_client.post(f"{replica.url}/sleep", headers=auth_headers(replica.secret))
         except httpx.HTTPError as e:
             logger.info("%s: replica %s did not go to sleep (%s); it stays idle", dep.name, replica.id, e)
             return
         if response.status_code != 200:  # busy after all: it keeps its cache, which costs only memory
             logger.info("%s: replica %s refused to sleep: %s", dep.name, replica.id, response.text[:200])
 
-    def _retire(self, dep: Deployment, replica: Replica) -> asyncio.Task[None]:
-        """Drain and stop one replica (once, however often it is asked); it takes no new requests from now on."""
+    def _retire(self, dep: Deployment, replica: Replica, *, grace: float | None = None) -> asyncio.Task[None]:
+        """Drain and stop one replica (once, however often it is asked); it takes no new requests from now on.
+
+        `grace`: seconds the drain may take before the process is killed (default: the launcher's drain timeout)."""
         task = self._retiring.get(replica.id)
         if task is None:
             replica.stopping = True
-            task = asyncio.create_task(self._stop_replica(dep, replica), name=f"ember-stop-{replica.id}")
+            task = asyncio.create_task(self._stop_replica(dep, replica, grace), name=f"ember-stop-{replica.id}")
             self._retiring[replica.id] = task
             task.add_done_callback(lambda _: self._retiring.pop(replica.id, None))
             task.add_done_callback(_retrieve)
         return task
 
-    async def _stop_replica(self, dep: Deployment, replica: Replica) -> None:
+    async def _stop_replica(self, dep: Deployment, replica: Replica, grace: float | None = None) -> None:
         if replica.handle is None:  # still starting: cancel the start, which kills the process
             task = self._launching.get(replica.id)
             if task is not None:
@@ -480,7 +486,11 @@ class ControlPlane:
         if replica.state is not ReplicaState.DEAD:
             replica.state = ReplicaState.DRAINING
             dep.notify()
-            await self.launcher.stop(replica.handle, graceful=True)
+            try:
+                await asyncio.wait_for(self.launcher.stop(replica.handle, graceful=True), grace)
+            except TimeoutError:
+                logger.warning("%s: replica %s did not stop within %.0f s; killing it", dep.name, replica.id, grace)
+                await self.launcher.stop(replica.handle, graceful=False)
         self._bury(dep, replica)
 
     def _bury(self, dep: Deployment, replica: Replica) -> None:
@@ -534,6 +544,15 @@ class ControlPlane:
 
     def _autoscale(self, dep: Deployment) -> None:
         """Follow demand within [scaling]: start replicas at once, drain surplus ones after the idle delay; a
+    def _replace_failed(self, dep: Deployment, replica: Replica, failure: str) -> None:
+        """A replica that can never serve again (its engine died): kill it after a short grace, whatever it holds
+        (its requests failed with its engine), and start its replacement now rather than once it is gone."""
+        dep.last_error = f"replica {replica.id} failed: {failure}"
+        dep.log(f"replica {replica.id} ({replica.version}) failed ({failure}): stopping it, starting a replacement")
+        logger.error("%s: replica %s at %s failed: %s; replacing it", dep.name, replica.id, replica.url, failure)
+        self._retire(dep, replica, grace=FAILED_GRACE_S)
+        self._reconcile(dep)
+
         deployment that scales to zero sleeps first (KV cache freed, weights kept) and stops after another delay."""
         scaling = dep.scaling()
         if dep.sleeping_since is not None:
@@ -572,13 +591,15 @@ class ControlPlane:
     async def _probe(self, dep: Deployment, replica: Replica) -> None:
         assert self._probe_client is not None and replica.url is not None
         try:
-            response = await self._probe_client.get(f"{replica.url}/ready")
+            response = await self._probe_client.get(f"{replica.url}/ready", headers=auth_headers(replica.secret))
         except httpx.HTTPError:
             return  # a busy replica may answer late; a dead one is found by its process
         ready = response.status_code == 200
         if replica.stopping or replica.state is ReplicaState.DEAD:
             return
-        if ready and replica.state is ReplicaState.DRAINING:
+        if not ready and (failure := _failure(response)) is not None:
+            self._replace_failed(dep, replica, failure)
+        elif ready and replica.state is ReplicaState.DRAINING:
             replica.state = ReplicaState.READY
             dep.log(f"replica {replica.id} is ready again")
             dep.notify()
@@ -599,3 +620,14 @@ def _retrieve(task: asyncio.Task[object]) -> None:
     """Mark a background task's exception as seen (it was logged or raised to an awaiting caller)."""
     if not task.cancelled():
         task.exception()
+def _failure(response: httpx.Response) -> str | None:
+    """Why a replica's /ready says it failed (its engine died), or None when it is only not ready yet, or draining."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    if not isinstance(body, dict) or body.get("status") != FAILED:
+        return None
+    return str(body.get("error") or "its engine stopped")
+
+

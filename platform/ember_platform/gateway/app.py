@@ -37,12 +37,14 @@ from ember_platform.gateway.errors import (
 from ember_platform.gateway.metrics import GatewayMetrics
 from ember_platform.gateway.protocol import MAX_PROMPTS, MAX_PROMPTS_ENV, parse_model_name
 from ember_platform.gateway.proxy import CLIENT_CLOSED, Proxy, ReplicaChooser
+from ember_platform.replica.auth import auth_headers
 from ember_platform.gateway.request_body import check_text
 
 logger = logging.getLogger("ember.gateway")
 
 INFO_TIMEOUT_S = 5.0
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+ADMIN_STATE = "admin"  # request.state.admin: whether the request came with the admin key (or the gateway has none)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -64,6 +66,8 @@ class AuthMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.authenticator is None or scope["path"] in OPEN_PATHS:
+            if scope["type"] == "http" and self.authenticator is None:  # no keys: anyone may do what the admin may
+                scope.setdefault("state", {})[ADMIN_STATE] = True
             await self.app(scope, receive, send)
             return
         token = _bearer_token(scope)
@@ -75,6 +79,7 @@ class AuthMiddleware:
             error = ProtocolError(401, f"The /admin API needs the admin key (${ADMIN_KEY_ENV}, or the key "
                                        "`ember serve` printed when it first started).", None, "admin_key_required")
         else:
+            scope.setdefault("state", {})[ADMIN_STATE] = record.admin  # request.state.admin, for what only it sees
             await self.app(scope, receive, send)
             return
         self.metrics.count("", "admin" if admin_route else "api", error.status)
@@ -220,7 +225,7 @@ class Gateway:
         replica_info, replica = None, None
         for candidate in dep.ready_replicas():
             try:
-                response = await self._info_client.get(f"{candidate.url}/info")
+                response = await self._info_client.get(f"{candidate.url}/info", headers=auth_headers(candidate.secret))
                 if response.status_code == 200:
                     replica_info, replica = response.json(), candidate
                     break
@@ -232,7 +237,7 @@ class Gateway:
             timings["replica_start"] = round(replica.start_s, 6)
         if replica_info:
             timings.update(replica_info.get("timings") or {})
-        return JSONResponse({
+        public = {
             "name": dep.name,
             "version": dep.active_version,
             "digest": active.digest,
@@ -244,11 +249,15 @@ class Gateway:
             "pull": active.pull.to_json(),
             "max_model_len": (replica_info or {}).get("max_model_len", active.manifest.runtime.max_model_len),
             "scaling": dep.to_json()["scaling"],
-            "replicas": [r.to_json() for r in dep.replicas],
-            "replica": replica_info,
             "note": None if replica_info else "no replica is running; selections and load timings appear once "
                                               "one has started",
-        })
+        }
+        if not getattr(request.state, ADMIN_STATE, False):
+            # Replicas' URLs, PIDs and their own reports are for the admin: with a URL, a caller could try the
+            # replica directly, around the gateway's keys and limits.
+            return JSONResponse({**public, "replicas": [{"version": r.version, "state": str(r.state)}
+                                                        for r in dep.replicas]})
+        return JSONResponse({**public, "replicas": [r.to_json() for r in dep.replicas], "replica": replica_info})
 
     # --- admin --------------------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from ember_platform.control.plane import ControlPlane, NoReplicaAvailable
 from ember_platform.gateway.errors import ProtocolError
 from ember_platform.gateway.metrics import GatewayMetrics
 from ember_platform.gateway.upstream import upstream_transport
+from ember_platform.replica.auth import auth_headers
 
 logger = logging.getLogger("ember.gateway")
 
@@ -133,7 +134,8 @@ class Proxy:
             tried.add(replica.id)
             request = self.client.build_request(
                 "POST", f"{replica.url}{path}", content=body,
-                headers={"content-type": "application/json", "x-request-id": request_id},
+                headers={"content-type": "application/json", "x-request-id": request_id,
+                         **auth_headers(replica.secret)},
                 timeout=httpx.Timeout(dep.request_timeout, connect=self.connect_timeout))
             replica.in_flight += 1
             sent = time.monotonic()

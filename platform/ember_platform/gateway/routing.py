@@ -70,11 +70,13 @@ class KVAwareChooser:
     """A `ReplicaChooser` for the proxy: `achoose` reserves the best replica, `release` ends the reservation."""
 
     def __init__(self, router: Router, *, observe_routing: bool, policy: str = "kv",
-                 blocks_per_replica: int = 8192) -> None:
+                 blocks_per_replica: int = 8192, replica_secret: str | None = None) -> None:
+        """`replica_secret`: the cluster secret other gateways' replicas require (replica/auth.py)."""
         if policy not in ("kv", "round-robin"):
             raise ValueError(f"routing policy must be 'kv' or 'round-robin', got {policy!r}")
         self.router = router
         self.policy = policy
+        self.replica_secret = replica_secret
         self._turn = 0
         self._remote: dict[str, Replica] = {}  # replicas of other gateways' control planes, by id
         self.tables: RoutingTables = router.tables
@@ -163,7 +165,8 @@ class KVAwareChooser:
             replica = self._remote.get(view.replica_id)
             if replica is None or replica.remote_url != record.url:
                 replica = self._remote[view.replica_id] = Replica(version=record.version, id=view.replica_id,
-                                                                  remote_url=record.url)
+                                                                  remote_url=record.url,
+                                                                  remote_secret=self.replica_secret)
             out.append(replica)
         return out
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
 from ember.errors import EmberError
 from ember_platform.replica.app import DEFAULT_STREAM_EVENT_RATE, MAX_STREAM_INTERVAL, Replica
+from ember_platform.replica.auth import SECRET_ENV, new_secret
 from ember_platform.replica.server import DEFAULT_DRAIN_TIMEOUT, READY_LINE, serve
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -50,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--redis-url", metavar="URL", default=None,
                         help="publish this replica (load, KV prefix blocks, adapters) to the routing tables in Redis "
                              "that gateways share; its id is $EMBER_REPLICA_ID or made up")
+    parser.add_argument("--no-auth", action="store_true",
+                        help=f"serve without a secret (local development only). Otherwise every request but "
+                             f"/health, /ready and /metrics needs 'Authorization: Bearer <secret>': ${SECRET_ENV} "
+                             "(how a gateway hands it over), else one made up now and printed on stderr")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     return parser
 
@@ -69,7 +75,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return serve(replica, host=args.host, port=args.port, drain_timeout=args.drain_timeout, log_level=args.log_level,
-                 redis_url=args.redis_url)
+                 redis_url=args.redis_url, secret=_secret(args.no_auth))
+
+
+def _secret(no_auth: bool) -> str | None:
+    """The secret requests must carry: from the environment (never argv, which `ps` shows), or made up and printed;
+    None only when asked for with --no-auth, so that a replica never runs open by accident."""
+    if no_auth:
+        print("WARNING: --no-auth: any process that can reach this replica's port can generate, sleep and wake it. "
+              "Use it for local development only.", file=sys.stderr, flush=True)
+        return None
+    secret = os.environ.pop(SECRET_ENV, "").strip()  # popped: nothing this process starts inherits it
+    if not secret:
+        secret = new_secret()
+        print(f"replica secret (send 'Authorization: Bearer <secret>'; set ${SECRET_ENV} to choose it): {secret}",
+              file=sys.stderr, flush=True)
+    return secret
 
 
 if __name__ == "__main__":

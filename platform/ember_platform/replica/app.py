@@ -55,6 +55,7 @@ from ember_platform.gateway.responses import (
     sse,
     text_completion,
 )
+from ember_platform.replica.auth import ReplicaAuthMiddleware
 from ember_platform.replica.metrics import COLD_START_PHASES, ReplicaMetrics
 
 if TYPE_CHECKING:  # the engine imports torch; the app only needs it once `load()` runs
@@ -441,8 +442,12 @@ def _output_pipelines(replica: Replica, request: dict[str, Any] | bytes | None, 
     if request is None or replica.engine is None:
         return [None] * len(params)
     request_dict = request if isinstance(request, dict) else {}
-    pipelines = [replica.engine.plugins.output_pipeline(request_dict, replica.manifest, stream=stream)
-                 for _ in params]
+    try:
+        pipelines = [replica.engine.plugins.output_pipeline(request_dict, replica.manifest, stream=stream)
+                     for _ in params]
+    except OutputHookError as e:
+        log.exception("an output hook failed")
+        raise _server_error(e) from None
     first = next((p for p in pipelines if p is not None), None)
     if first is not None and any(getattr(p, "logprobs", None) is not None for p in params):
         raise invalid_request("logprobs", f"Invalid 'logprobs': this model's output hooks ({', '.join(first.plugins)}) "
@@ -544,8 +549,12 @@ def _sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def create_app(replica: Replica) -> Starlette:
-    """The replica's Starlette app. Generation routes answer 503 until `replica.load()` has run."""
+def create_app(replica: Replica, *, secret: str | None = None) -> Starlette:
+    """The replica's Starlette app. Generation routes answer 503 until `replica.load()` has run.
+
+    With a `secret`, every route but /health, /ready and /metrics answers 401 unless the request carries it
+    (replica/auth.py); None serves everyone (a replica started by hand with --no-auth, or an in-process test).
+    """
 
     async def chat_completions(request: Request) -> Response:
         data = await _read_body(request, replica)
@@ -649,6 +658,8 @@ def create_app(replica: Replica) -> Starlette:
         Route("/sleep", sleep, methods=["POST"]),
         Route("/wake", wake, methods=["POST"]),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(AdmissionMiddleware, replica=replica)],
+    # Auth first: a request without the secret is refused before it counts as in flight.
+    middleware = [Middleware(ReplicaAuthMiddleware, secret=secret), Middleware(AdmissionMiddleware, replica=replica)]
+    return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={ProtocolError: protocol_error, HTTPException: http_error,
                                          Exception: server_error})

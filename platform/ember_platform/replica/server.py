@@ -2,7 +2,7 @@
 
 Signals are the replica's own, not uvicorn's: the first SIGTERM or SIGINT starts a drain (new generation requests
 get 503 + Retry-After, requests in flight finish, bounded by the drain timeout), then the server stops and the
-process exits 0. A second signal stops it at once.
+process exits 0. A second signal stops it at once. A replica whose engine died drains the same way and exits 1.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ LISTENING_LINE = "EMBER_REPLICA_LISTENING"  # printed with the URL once /health 
 DEFAULT_DRAIN_TIMEOUT = 30.0
 # After the drain, connections still open (idle keep-alives, or requests past the drain timeout) get this long.
 SHUTDOWN_GRACE_SECONDS = 2.0
+ENGINE_WATCH_INTERVAL = 0.2  # seconds between two looks at whether the engine's step loop died
 # How long an idle keep-alive connection stays open: longer than the gateway keeps one in its pool
 # (gateway/proxy.py POOL_KEEPALIVE_S), so that it is the gateway that drops it, never a replica as a request arrives.
 KEEPALIVE_SECONDS = 75.0
@@ -121,6 +122,18 @@ class ReplicaServer(uvicorn.Server):
                 log.exception("cannot publish to the routing tables at %s", self.redis_url)
         if not self._draining:
             print(f"{READY_LINE} {self.url}", flush=True)
+            self._spawn(self._exit_when_engine_dies())
+
+    async def _exit_when_engine_dies(self) -> None:
+        """A replica whose engine died can serve nothing again: drain what is still in flight (those requests fail
+        on their own) and exit 1, so that no launcher, or no launcher at all, leaves it holding its memory."""
+        while self.replica.failure is None:
+            await asyncio.sleep(ENGINE_WATCH_INTERVAL)
+        log.error("%s; exiting once no request is in flight", self.replica.failure)
+        self.exit_code = 1
+        if not self._draining:
+            self._draining = True
+            await self._drain()
 
     # --- signals and the drain ----------------------------------------------------------------
 
@@ -168,9 +181,11 @@ class ReplicaServer(uvicorn.Server):
 
 
 def serve(replica: Replica, *, host: str = "127.0.0.1", port: int = 0, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
-          log_level: str = "info", redis_url: str | None = None) -> int:
-    """Serve a replica until drained; returns the process exit code (0 after a drain, 1 if loading failed)."""
-    config = uvicorn.Config(create_app(replica), host=host, port=port, log_level=log_level, lifespan="off",
+          log_level: str = "info", redis_url: str | None = None, secret: str | None = None) -> int:
+    """Serve a replica until drained; returns the process exit code (0 after a drain, 1 if loading failed or the
+    engine died). `secret`: what every request but the probes must carry (replica/auth.py); None serves everyone."""
+    app = create_app(replica, secret=secret)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS, timeout_keep_alive=KEEPALIVE_SECONDS,
                             loop=EVENT_LOOP, http=guarded_protocol(ConnectionLimits.from_env(replica=True)),
                             access_log=log_level in ("debug", "trace"))

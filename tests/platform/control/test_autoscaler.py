@@ -11,9 +11,10 @@ import pytest
 
 from ember.registry import BlobCache, LocalRegistry, push_package
 from ember_platform.control.autoscaler import ScaleMemory, ScalingPolicy, decide, wanted_replicas
-from ember_platform.control.deployments import ReplicaState
+from ember_platform.control.deployments import Replica, ReplicaState
 from ember_platform.control.launcher import LocalProcessLauncher
 from ember_platform.control.plane import ControlPlane
+from ember_platform.replica.auth import auth_headers
 
 POLICY = ScalingPolicy(min_replicas=0, max_replicas=3, target_concurrency=4, scale_down_delay=10.0)
 
@@ -39,10 +40,10 @@ def test_up_at_once_down_only_after_the_delay_and_gaps_reset_it() -> None:
     assert decide(POLICY, current=3, demand=0, now=20.0, memory=memory) == 0  # a full idle delay: to zero
 
 
-def _info(url: str) -> dict:
+def _info(replica: Replica) -> dict:
     import httpx
 
-    return httpx.get(f"{url}/info", timeout=10).json()
+    return httpx.get(f"{replica.url}/info", headers=auth_headers(replica.secret), timeout=10).json()
 
 
 @pytest.mark.usefixtures("one_thread_per_replica")
@@ -75,7 +76,7 @@ def test_scale_up_on_demand_then_to_zero_when_idle_then_a_cold_start(
             sleepers = await until(lambda: dep.sleeping_replicas(), 30, "replicas to sleep")
             assert sleepers == dep.replicas and dep.desired == 0
             assert sleepers[0].url is not None
-            info = await until(lambda: _info(sleepers[0].url) if _info(sleepers[0].url)["sleeping"] else None, 30,
+            info = await until(lambda: _info(sleepers[0]) if _info(sleepers[0])["sleeping"] else None, 30,
                                 "the replica's engine to sleep")
             assert info["stats"]["kv_blocks_free"] == info["stats"]["kv_blocks_total"]
             # ...and a request wakes it at once: the same process, no cold start.

@@ -84,7 +84,7 @@ def start_replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
             # One torch thread: the test machine's few cores are shared, and oversubscribed threads spin.
             proc = subprocess.Popen(
                 [sys.executable, "-m", "ember_platform.replica", "--package", str(EXAMPLE), "--port", "0",
-                 "--threads", "1", "--log-level", "warning", *args],
+                 "--threads", "1", "--log-level", "warning", "--no-auth", *args],
                 stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         replica = ReplicaProcess(proc, log_path)
         started.append(replica)

@@ -78,8 +78,9 @@ def write_mailer(dest: Path) -> Path:
         layer + "mlp.gate_proj.weight": zeros(inter, hidden), layer + "mlp.up_proj.weight": zeros(inter, hidden),
         layer + "mlp.down_proj.weight": zeros(hidden, inter),
     }, str(weights / "model.safetensors"))
-    (dest / "ember.toml").write_text(f'[model]\nname = "{MODEL}"\nversion = "0.1.0"\n\n[scaling]\nmin_replicas = 1\n'
-                                     'max_replicas = 1\n')
+    (dest / "ember.toml").write_text(f'[model]\nname = "{MODEL}"\nversion = "0.1.0"\n\n'
+                                     '[runtime]\nmax_model_len = 2048\n\n'
+                                     '[scaling]\nmin_replicas = 1\nmax_replicas = 1\n')
     return dest
 
 
@@ -293,6 +294,73 @@ def test_a_whole_output_hook_holds_the_stream_back_and_its_finish_reason_ends_it
                                                                      "stream_options": None})).json()
             assert whole["choices"][0]["message"]["content"] == "[withheld]"
             assert whole["choices"][0]["finish_reason"] == "content_filter"
+
+    try:
+        asyncio.run(main())
+    finally:
+        replica.close()
+        torch.set_num_threads(threads)
+
+
+FAILING_FILTER_HOOKS = '''
+from ember import hookimpl
+
+
+class Fails:
+    def feed(self, text):
+        return text if "@" not in text else 1 / 0
+
+    def flush(self, finish_reason):
+        return ""
+
+
+@hookimpl
+def ember_postprocess_stream(request, manifest):
+    if request.get("user") == "broken-hook":
+        raise LookupError("no filter today")
+    return Fails()
+'''
+
+
+def test_a_failing_output_hook_is_an_openai_error_naming_the_hook_not_the_exception(mailer: Path,
+                                                                                   tmp_path: Path) -> None:
+    import torch
+
+    from ember_platform.replica import Replica, create_app
+
+    package = tmp_path / "failing"
+    package.mkdir()
+    shutil.copy(mailer / "ember.toml", package / "ember.toml")
+    (package / "weights").symlink_to(mailer / "weights")
+    (package / "hooks.py").write_text(FAILING_FILTER_HOOKS)
+    replica = Replica(package)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    def assert_clean(error: dict) -> None:
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "server_error", error
+        assert "package hooks.py" in error["message"], error
+        assert not any(name in error["message"] for name in ("ZeroDivisionError", "LookupError", "Traceback"))
+
+    async def main() -> None:
+        await asyncio.to_thread(replica.load)
+        transport = httpx.ASGITransport(app=create_app(replica))
+        async with httpx.AsyncClient(transport=transport, base_url="http://replica", timeout=60) as http:
+            body = {"model": MODEL, "prompt": "Hi", "max_tokens": 12}
+            lines = []
+            async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+                assert response.status_code == 200
+                lines = [line async for line in response.aiter_lines() if line]
+            assert lines[-1] == "data: [DONE]" and not any("bob" in line for line in lines)
+            assert_clean(json.loads(lines[-2].removeprefix("data: "))["error"])  # the error event, then [DONE]
+            whole = await http.post("/v1/completions", json=body)
+            assert whole.status_code == 500
+            assert_clean(whole.json()["error"])
+            refused = await http.post("/v1/completions", json={**body, "stream": True, "user": "broken-hook"})
+            assert refused.status_code == 500
+            assert_clean(refused.json()["error"])
+            # the replica serves on
+            assert (await http.post("/v1/completions", json={**body, "max_tokens": 2})).status_code == 200
 
     try:
         asyncio.run(main())

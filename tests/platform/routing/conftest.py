@@ -160,6 +160,7 @@ def scorer_host() -> PluginHost:
 REPO = Path(__file__).resolve().parents[3]
 MODEL = "tiny-llama"
 READY_TIMEOUT_S = 180.0
+CLUSTER_SECRET = "cluster-secret-for-tests"  # what every gateway of a topology shares for its replicas
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
@@ -193,7 +194,7 @@ class Gateway:
     def launch(self) -> Gateway:
         env = {**os.environ, "EMBER_HOME": str(self.home), "EMBER_REGISTRY": str(self.home.parent / "registry"),
                "EMBER_CACHE": str(self.home.parent / "cache"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               "EMBER_ROUTING": "kv"}
+               "EMBER_ROUTING": "kv", "EMBER_REPLICA_SECRET": CLUSTER_SECRET}  # B calls A's replicas with it
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "ember", "serve", str(self.package), "--no-auth", "--host", "127.0.0.1",
