@@ -9,7 +9,13 @@ import pytest
 
 from ember_platform.gateway.errors import ProtocolError
 from ember_platform.gateway.protocol import MAX_PROMPTS, parse_chat_request, parse_completion_request
-from ember_platform.gateway.request_body import MAX_JSON_DEPTH, json_depth_exceeds, loads, lone_surrogate_path
+from ember_platform.gateway.request_body import (
+    MAX_JSON_DEPTH,
+    MAX_JSON_VALUES,
+    json_depth_exceeds,
+    loads,
+    lone_surrogate_path,
+)
 
 
 def nested(depth: int, opener: bytes = b"[", closer: bytes = b"]") -> bytes:
@@ -80,3 +86,14 @@ def test_prompt_lists_are_capped(prompt: list) -> None:
         parse_completion_request({"model": "m", "prompt": prompt})
     assert caught.value.status == 400 and caught.value.param == "prompt"
     assert len(parse_completion_request({"model": "m", "prompt": prompt[:MAX_PROMPTS]}).prompts()) == MAX_PROMPTS
+
+
+def test_a_body_of_too_many_values_is_refused_before_json_loads_holds_the_loop() -> None:
+    flat = b'{"model": "m", "prompt": [' + b",".join([b"1"] * (MAX_JSON_VALUES + 1)) + b"]}"
+    with pytest.raises(ProtocolError) as caught:
+        loads(flat)
+    assert (caught.value.status, caught.value.code) == (413, "request_too_large")
+    in_strings = json.dumps({"prompt": "[1, 2], {3}" * MAX_JSON_VALUES}).encode()  # commas in text do not count
+    assert loads(in_strings)["prompt"].startswith("[1, 2]")
+    token_ids = json.dumps({"model": "m", "prompt": [list(range(2048))] * MAX_PROMPTS}).encode()
+    assert len(parse_completion_request(token_ids).prompts()) == MAX_PROMPTS  # the largest batch still fits
