@@ -533,6 +533,15 @@ class ControlPlane:
             self._autoscale(dep)
             self._reconcile(dep)
 
+    def _replace_failed(self, dep: Deployment, replica: Replica, failure: str) -> None:
+        """A replica that can never serve again (its engine died): kill it after a short grace, whatever it holds
+        (its requests failed with its engine), and start its replacement now rather than once it is gone."""
+        dep.last_error = f"replica {replica.id} failed: {failure}"
+        dep.log(f"replica {replica.id} ({replica.version}) failed ({failure}): stopping it, starting a replacement")
+        logger.error("%s: replica %s at %s failed: %s; replacing it", dep.name, replica.id, replica.url, failure)
+        self._retire(dep, replica, grace=FAILED_GRACE_S)
+        self._reconcile(dep)
+
     def _wake(self, dep: Deployment, sleepers: list[Replica]) -> list[Replica]:
         """Sleeping replicas take requests again at once: their engines reallocate the KV cache on the first one."""
         for replica in sleepers:
@@ -544,15 +553,6 @@ class ControlPlane:
 
     def _autoscale(self, dep: Deployment) -> None:
         """Follow demand within [scaling]: start replicas at once, drain surplus ones after the idle delay; a
-    def _replace_failed(self, dep: Deployment, replica: Replica, failure: str) -> None:
-        """A replica that can never serve again (its engine died): kill it after a short grace, whatever it holds
-        (its requests failed with its engine), and start its replacement now rather than once it is gone."""
-        dep.last_error = f"replica {replica.id} failed: {failure}"
-        dep.log(f"replica {replica.id} ({replica.version}) failed ({failure}): stopping it, starting a replacement")
-        logger.error("%s: replica %s at %s failed: %s; replacing it", dep.name, replica.id, replica.url, failure)
-        self._retire(dep, replica, grace=FAILED_GRACE_S)
-        self._reconcile(dep)
-
         deployment that scales to zero sleeps first (KV cache freed, weights kept) and stops after another delay."""
         scaling = dep.scaling()
         if dep.sleeping_since is not None:
@@ -609,17 +609,6 @@ class ControlPlane:
             dep.notify()
 
 
-def _read_lock(package_dir: Path) -> Lock | None:
-    try:
-        return Lock.from_json((package_dir / LOCK_NAME).read_bytes(), source=str(package_dir / LOCK_NAME))
-    except (OSError, PackageError):
-        return None
-
-
-def _retrieve(task: asyncio.Task[object]) -> None:
-    """Mark a background task's exception as seen (it was logged or raised to an awaiting caller)."""
-    if not task.cancelled():
-        task.exception()
 def _failure(response: httpx.Response) -> str | None:
     """Why a replica's /ready says it failed (its engine died), or None when it is only not ready yet, or draining."""
     try:
@@ -631,3 +620,14 @@ def _failure(response: httpx.Response) -> str | None:
     return str(body.get("error") or "its engine stopped")
 
 
+def _read_lock(package_dir: Path) -> Lock | None:
+    try:
+        return Lock.from_json((package_dir / LOCK_NAME).read_bytes(), source=str(package_dir / LOCK_NAME))
+    except (OSError, PackageError):
+        return None
+
+
+def _retrieve(task: asyncio.Task[object]) -> None:
+    """Mark a background task's exception as seen (it was logged or raised to an awaiting caller)."""
+    if not task.cancelled():
+        task.exception()
