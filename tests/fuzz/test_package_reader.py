@@ -141,7 +141,7 @@ def test_any_lock_either_loads_safe_paths_or_is_refused_naming_the_file(raw: str
 
 @pytest.mark.parametrize("opener", ["[", '{"files":[', '{"a":'])
 def test_deeply_nested_lock_is_refused_naming_the_file(opener: str) -> None:
-    with pytest.raises(PackageError, match="ember.lock"):
+    with pytest.raises(PackageError, match=r"ember\.lock"):
         Lock.from_json(deep(DEEP, opener), source="ember.lock")
 
 
@@ -219,7 +219,8 @@ def manifest_texts(draw: st.DrawFn) -> bytes:
         "runtime": {"max_num_seqs": st.integers(-2, 10**20), "kv_block_size": st.integers(-2, 10**20),
                     "memory_utilization": st.floats(), "dtype": hostile_text},
         "speculator": {"method": hostile_text, "num_speculative_tokens": st.integers(), "model": any_path},
-        "scaling": {"scale_down_delay": st.one_of(st.floats(), hostile_text, st.sampled_from(["5m", "1e9h", "9" * 400])),
+        "scaling": {"scale_down_delay": st.one_of(st.floats(), hostile_text,
+                                                  st.sampled_from(["5m", "1e9h", "9" * 400])),
                     "min_replicas": st.integers(-1, 3)},
         "serving": {"request_timeout": st.one_of(st.floats(), st.sampled_from(["10m", "nan", "inf"])),
                     "max_queue": st.integers()},
@@ -282,7 +283,7 @@ def test_a_duration_that_is_not_a_finite_number_of_seconds_is_refused(tmp_path: 
 
 def test_deeply_nested_manifest_is_refused_naming_the_file(tmp_path: Path) -> None:
     (tmp_path / "ember.toml").write_text("[quantization]\noptions = { a = " + deep(DEEP, "["))
-    with pytest.raises(ManifestError, match="ember.toml"):
+    with pytest.raises(ManifestError, match=r"ember\.toml"):
         load_manifest(tmp_path)
 
 

@@ -35,6 +35,7 @@ from ember_platform.gateway.errors import (
     service_unavailable,
 )
 from ember_platform.gateway.metrics import GatewayMetrics
+from ember_platform.gateway.openapi import OPENAPI_PATH, openapi_endpoint
 from ember_platform.gateway.protocol import MAX_PROMPTS, MAX_PROMPTS_ENV, parse_model_name
 from ember_platform.gateway.proxy import CLIENT_CLOSED, Proxy, ReplicaChooser
 from ember_platform.replica.auth import auth_headers
@@ -43,7 +44,7 @@ from ember_platform.gateway.request_body import check_text
 logger = logging.getLogger("ember.gateway")
 
 INFO_TIMEOUT_S = 5.0
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", OPENAPI_PATH})
 ADMIN_STATE = "admin"  # request.state.admin: whether the request came with the admin key (or the gateway has none)
 
 Scope = dict[str, Any]
@@ -126,6 +127,7 @@ class Gateway:
     def routes(self) -> list[Route]:
         return [
             Route("/health", self.health, methods=["GET"]),
+            Route(OPENAPI_PATH, openapi_endpoint, methods=["GET"]),  # open, like /health: see gateway/openapi.py
             Route("/ready", self.ready, methods=["GET"]),
             Route("/metrics", self.metrics_page, methods=["GET"]),
             Route("/v1/models", self.list_models, methods=["GET"]),
