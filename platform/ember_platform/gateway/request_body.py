@@ -137,7 +137,7 @@ def check_text(data: Any, raw: bytes | str | None = None) -> None:
     holds no surrogate escape (the common case: no walk over a large body)."""
     if raw is not None:
         scanned = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
-        if not _SURROGATE_ESCAPE.search(scanned):
+        if b"\\u" not in scanned or not _SURROGATE_ESCAPE.search(scanned):  # `in`: a plain byte search, faster
             return
     path = lone_surrogate_path(data)
     if path is not None:
