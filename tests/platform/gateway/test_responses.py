@@ -58,6 +58,7 @@ class RequestOutput:
     stop_reason: int | str | None
     usage: Usage
     logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
 
 
 VOCAB = {0: "Hello", 1: ",", 2: " world", 3: "!", 4: "é", 5: "<0xC3>", 6: "Hi"}
