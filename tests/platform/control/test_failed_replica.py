@@ -1,0 +1,135 @@
+"""A replica whose engine dies is stopped and reaped, never leaked: the replica process exits by itself (code 1), and
+the control plane buries it and starts a replacement. The engine dies for real, inside `step()`: the package's
+hooks.py breaks its model once a trigger prompt reaches it (every forward pass raises from then on, as on a lost
+device), and after a few failed forward passes in a row the engine gives up (engine.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from ember.registry import BlobCache, LocalRegistry, push_package
+from ember_platform.control.launcher import LocalProcessLauncher, ReplicaHandle
+from ember_platform.control.plane import ControlPlane
+from ember_platform.replica.auth import auth_headers
+
+pytestmark = pytest.mark.usefixtures("one_thread_per_replica")
+
+TRIGGER = [4095, 4094, 4093, 4092]  # a prompt no test or warm-up sends otherwise
+CRASH_HOOK = f'''
+
+TRIGGER = {TRIGGER}
+
+
+@hookimpl
+def ember_model_loaded(manifest, model, hardware):
+    """Tests: once the trigger prompt reaches the model, every forward pass raises."""
+    broken = []
+
+    def crash_on_trigger(module, args):
+        ids = args[0].tolist()
+        if broken or any(ids[i:i + len(TRIGGER)] == TRIGGER for i in range(len(ids))):
+            broken.append(True)
+            raise RuntimeError("injected engine crash")
+
+    model.register_forward_pre_hook(crash_on_trigger)
+'''
+NORMAL = {"model": "tiny-llama", "prompt": [1, 2, 3], "max_tokens": 1}
+
+
+def crashing_package(dest: Path, example_copy: Callable[..., Path], **settings: Any) -> Path:
+    package = example_copy(dest, lock=False, **settings)
+    (package / "hooks.py").write_text((package / "hooks.py").read_text() + CRASH_HOOK)
+    return package
+
+
+def crash(url: str, secret: str | None) -> httpx.Response:
+    """Send the trigger, then requests until the replica says its engine died; the last answer."""
+    response = httpx.post(f"{url}/v1/completions", json={**NORMAL, "prompt": TRIGGER}, headers=auth_headers(secret),
+                          timeout=30)
+    for _ in range(10):
+        assert response.status_code in (500, 503), response.text
+        assert "error" in response.json() and "Traceback" not in response.text
+        if httpx.get(f"{url}/ready", timeout=10).json()["status"] == "failed":
+            break
+        response = httpx.post(f"{url}/v1/completions", json=NORMAL, headers=auth_headers(secret), timeout=30)
+    return response
+
+
+def reaped(pid: int) -> bool:
+    """Gone from the process table: neither running nor a zombie waiting for its parent."""
+    return not Path(f"/proc/{pid}").exists()
+
+
+def test_a_replica_exits_non_zero_once_its_engine_dies(tmp_path: Path, example_copy: Callable[..., Path]) -> None:
+    package = crashing_package(tmp_path / "pkg", example_copy)
+
+    async def scenario() -> None:
+        launcher = LocalProcessLauncher(log_dir=tmp_path / "logs", drain_timeout=30)
+        handle: ReplicaHandle = await launcher.start(package, {})
+        try:
+            ok = await asyncio.to_thread(httpx.post, f"{handle.url}/v1/completions", json=NORMAL,
+                                         headers=auth_headers(handle.secret), timeout=30)
+            assert ok.status_code == 200, ok.text
+            await asyncio.to_thread(crash, handle.url, handle.secret)
+            # Nobody stops it: it exits by itself, well before its 30 s drain timeout.
+            code = await asyncio.wait_for(handle.process.wait(), 10)
+            assert code == 1
+            assert "injected engine crash" in handle.log_path.read_text()
+        finally:
+            await launcher.stop(handle, graceful=False)
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+def test_a_failed_replica_is_reaped_and_replaced_and_the_deployment_serves_again(
+        tmp_path: Path, example_copy: Callable[..., Path], until: Callable[..., Any]) -> None:
+    registry = LocalRegistry(tmp_path / "registry")
+    push_package(crashing_package(tmp_path / "pkg", example_copy, min_replicas=1, max_replicas=1), registry)
+
+    async def scenario() -> None:
+        plane = ControlPlane(registry, packages_dir=tmp_path / "packages", cache=BlobCache(tmp_path / "cache"),
+                             launcher=LocalProcessLauncher(log_dir=tmp_path / "logs", drain_timeout=30),
+                             probe_interval=0.2)
+        await plane.start()
+        try:
+            dep = await plane.deploy("tiny-llama")
+            [replica] = dep.ready_replicas()
+            assert replica.handle is not None and replica.handle.pid is not None
+            pid = replica.handle.pid
+
+            # A request stuck in flight (its body never ends) keeps the replica from exiting by itself: it is the
+            # control plane that must stop it.
+            stuck = socket.create_connection(httpx.URL(replica.url).netloc.decode().split(":"), timeout=30)
+            stuck.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          f"Authorization: Bearer {replica.secret}\r\nContent-Length: 1000\r\n\r\n{{".encode())
+            crashed_at = time.monotonic()
+            await asyncio.to_thread(crash, replica.url, replica.secret)
+
+            await until(lambda: reaped(pid) and replica not in dep.replicas, 15,
+                        f"the failed replica (pid {pid}) to be reaped and buried")
+            reaped_s = time.monotonic() - crashed_at
+            [replacement] = await until(lambda: [r for r in dep.ready_replicas() if r is not replica], 60,
+                                        "a replacement replica")
+            replaced_s = time.monotonic() - crashed_at
+            assert replacement.handle is not None and replacement.handle.pid != pid
+            ok = await asyncio.to_thread(httpx.post, f"{replacement.url}/v1/completions", json=NORMAL,
+                                         headers=auth_headers(replacement.secret), timeout=30)
+            assert ok.status_code == 200, ok.text
+            assert any(f"replica {replica.id} (0.1.0) failed (the engine stopped" in e for e in dep.events), \
+                list(dep.events)
+            # Killed after the plane's grace (FAILED_GRACE_S), or exited 1 by itself: never a clean exit.
+            assert replica.handle.process.returncode in (1, -9)
+            stuck.close()
+            print(f"failed replica reaped in {reaped_s:.2f} s, replacement ready in {replaced_s:.2f} s")
+        finally:
+            await plane.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), 180))
