@@ -228,6 +228,31 @@ def test_info_reports_selections_and_cold_start_timings(served: Served) -> None:
     assert [r["state"] for r in info["replicas"]] == ["ready"]
 
 
+def test_info_shows_replica_internals_only_to_the_admin_key_and_replicas_obey_only_the_gateway(
+        served: Served) -> None:
+    def info_with(key: str) -> dict[str, Any]:
+        response = httpx.get(f"{served.url}/models/{MODEL}/info", headers={"Authorization": f"Bearer {key}"},
+                             timeout=10)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    admin = info_with(ADMIN_KEY)
+    [replica] = admin["replicas"]
+    assert replica["url"].startswith("http://127.0.0.1:") and replica["pid"] > 0 and admin["replica"]["name"] == MODEL
+    public = info_with(served.api_key)
+    assert public["replicas"] == [{"version": "0.1.0", "state": "ready"}] and "replica" not in public
+    text = json.dumps(public)
+    assert replica["url"] not in text and str(replica["pid"]) not in text and '"url"' not in text
+    assert public["selections"] == admin["selections"] and public["max_model_len"] == admin["max_model_len"]
+
+    # With the URL, a local process still cannot go around the gateway: the replica wants the gateway's secret.
+    for method, path in (("POST", "/v1/completions"), ("POST", "/sleep"), ("POST", "/wake"), ("GET", "/info")):
+        response = httpx.request(method, replica["url"] + path, json={"model": MODEL, "prompt": "Hi"},
+                                 headers={"Authorization": f"Bearer {served.api_key}"}, timeout=10)
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_replica_secret", path
+    assert chat(served.client(), max_tokens=1).usage.completion_tokens == 1  # the gateway itself gets through
+
+
 def test_metrics_count_requests_by_model_and_status(served: Served) -> None:
     text = httpx.get(f"{served.url}/metrics", timeout=10).text
     ok = re.search(r'ember_gateway_requests_total\{endpoint="chat.completions",model="tiny-llama",status="200"\} '
