@@ -64,6 +64,7 @@ UNCAPPED = 1 << 20
 # Routing tokenizes at most this many characters of a text prompt per token of context: enough for the blocks any
 # replica could hold (a token is rarely longer), so a prompt far past the context costs no more than a full one.
 ROUTING_CHARS_PER_TOKEN = 16
+ROUTING_DEFAULT_CONTEXT = 131072  # tokens: the bound for a package that leaves max_model_len to its checkpoint
 
 
 class KVAwareChooser:
@@ -193,7 +194,8 @@ class KVAwareChooser:
         """The request's prompt as routing sees it: block hashes of at most the model's context (the first
         `max_model_len * ROUTING_CHARS_PER_TOKEN` characters of a text prompt), its token count and adapter."""
         hasher = PromptHasher.for_package(dep.active.package_dir)
-        max_model_len = dep.active.manifest.runtime.max_model_len
+        # Without [runtime] max_model_len the engine takes the checkpoint's; routing needs no more than a bound.
+        max_model_len = dep.active.manifest.runtime.max_model_len or ROUTING_DEFAULT_CONTEXT
         parsed, lora, truncated = _parse(body, max_chars=max_model_len * ROUTING_CHARS_PER_TOKEN)
         if self.policy != "kv" or parsed is None:
             return _PromptBlocks((), 0, lora, hasher.block_size)

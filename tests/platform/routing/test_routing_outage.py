@@ -101,3 +101,21 @@ def test_a_response_s_first_bytes_end_its_pending_prefill(scorer_host: PluginHos
         chooser.release("r1")
 
     asyncio.run(scenario())
+
+
+def test_a_package_without_max_model_len_routes_on_its_prompt(scorer_host: PluginHost) -> None:
+    """The routing bound on prompt length falls back to a default when the manifest leaves the context to the
+    checkpoint (it was `None * 16`: a TypeError, a 500 for every request)."""
+    from ember_platform.routing.memory import InProcessTables
+
+    dep, local = deployment()
+    runtime = dep.active.manifest.runtime
+    dep.active.manifest.runtime = runtime.model_copy(update={"max_model_len": None})
+    chooser = KVAwareChooser(Router.from_config(InProcessTables(), RouterConfig(), host=scorer_host),
+                             observe_routing=True)
+
+    async def scenario() -> None:
+        assert await chooser.achoose(dep, [local], BODY, "r1") is local
+        chooser.release("r1")
+
+    asyncio.run(scenario())
