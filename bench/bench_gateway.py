@@ -67,6 +67,7 @@ PROMPT_LEN = (16, 256)
 OUTPUT_LEN = (32, 128)
 WARMUP_TOKENS = 16
 READY_LINE = "EMBER_SERVE_READY"
+REPLICA_SECRET = "bench-replica-secret"  # $EMBER_REPLICA_SECRET for the gateway's replicas (replica/auth.py)
 START_TIMEOUT_S = 240.0  # ember serve: push, pull, replica start
 STOP_TIMEOUT_S = 45.0  # SIGTERM drains the replicas (their drain timeout is 30 s); then SIGKILL
 RUN_TIMEOUT_S = 900.0  # one batch on one path
@@ -108,7 +109,8 @@ class Server:
     def env(self) -> dict[str, str]:
         return {**os.environ, "EMBER_HOME": str(self.workdir / "home"),
                 "EMBER_REGISTRY": str(self.workdir / "registry"), "EMBER_CACHE": str(self.workdir / "cache"),
-                "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads), "PYTHONUNBUFFERED": "1"}
+                "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads), "PYTHONUNBUFFERED": "1",
+                "EMBER_REPLICA_SECRET": REPLICA_SECRET}  # the bench calls the replica directly too
 
     def launch(self) -> None:
         with open(self.log_path, "w") as log:
@@ -510,13 +512,15 @@ async def bench(args: argparse.Namespace, server: Server, llm: Any, num_requests
         clients.append(gw_client)
         model = (await gw_client.models.list()).data[0].id
         await pin_one_replica(gateway, model)
-        raw_client = httpx.AsyncClient(timeout=RUN_TIMEOUT_S, limits=httpx.Limits(max_connections=None))
+        # The replica wants the gateway's secret; the gateway (--no-auth) ignores the header: both paths send one.
+        raw_client = httpx.AsyncClient(timeout=RUN_TIMEOUT_S, limits=httpx.Limits(max_connections=None),
+                                       headers={"Authorization": f"Bearer {REPLICA_SECRET}"})
         clients.append(raw_client)
         replica_url, replicas = await find_replica(gateway, model)
         server.replica_pids |= {r["pid"] for r in replicas if r.get("pid")}
         pids = {"gateway": server.proc.pid} if server.proc else {}
         pids.update(replica=next(r["pid"] for r in replicas if r["url"].rstrip("/") == replica_url))
-        rep_client = openai.AsyncOpenAI(base_url=f"{replica_url}/v1", **client_kwargs)
+        rep_client = openai.AsyncOpenAI(base_url=f"{replica_url}/v1", **{**client_kwargs, "api_key": REPLICA_SECRET})
         clients.append(rep_client)
         if args.client == "openai":
             http = {"gateway": openai_submit(gw_client, model), "replica": openai_submit(rep_client, model)}
