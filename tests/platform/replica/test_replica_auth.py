@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from ember_platform.control.launcher import LocalProcessLauncher, ReplicaHandle
-from ember_platform.replica.auth import SECRET_ENV, auth_headers
+from ember_platform.replica.auth import SECRET_ENV, SECRET_FILE, auth_headers, cluster_secret
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny-llama"
 COMPLETION = {"model": "tiny-llama", "prompt": [1, 2, 3], "max_tokens": 1}
@@ -101,3 +101,12 @@ def test_a_replica_started_by_hand_without_a_secret_makes_one_up(tmp_path: Path)
     finally:
         proc.kill()
         proc.wait(timeout=15)
+
+
+def test_the_cluster_secret_comes_from_the_environment_else_one_file_in_the_serve_home(tmp_path: Path) -> None:
+    assert cluster_secret(None, {}) is None  # alone: each replica gets a fresh secret of its own
+    assert cluster_secret(tmp_path, {SECRET_ENV: " chosen "}) == "chosen"
+    assert not (tmp_path / SECRET_FILE).exists()
+    made = cluster_secret(tmp_path, {})
+    assert made and len(made) >= 32 and (tmp_path / SECRET_FILE).stat().st_mode & 0o777 == 0o600
+    assert cluster_secret(tmp_path, {}) == made  # every gateway on this home, every start: the same one
