@@ -536,8 +536,10 @@ class ControlPlane:
     def _replace_failed(self, dep: Deployment, replica: Replica, failure: str) -> None:
         """A replica that can never serve again (its engine died): kill it after a short grace, whatever it holds
         (its requests failed with its engine), and start its replacement now rather than once it is gone."""
-        dep.last_error = f"replica {replica.id} failed: {failure}"
-        dep.log(f"replica {replica.id} ({replica.version}) failed ({failure}): stopping it, starting a replacement")
+        # What failed (an exception's text) goes to the log only: last_error and the events reach response bodies.
+        dep.last_error = f"replica {replica.id}'s engine failed; a replacement is starting"
+        dep.log(f"replica {replica.id} ({replica.version}) failed: its engine stopped; stopping it, starting a "
+                "replacement")
         logger.error("%s: replica %s at %s failed: %s; replacing it", dep.name, replica.id, replica.url, failure)
         self._retire(dep, replica, grace=FAILED_GRACE_S)
         self._reconcile(dep)

@@ -123,8 +123,9 @@ def test_a_failed_replica_is_reaped_and_replaced_and_the_deployment_serves_again
             ok = await asyncio.to_thread(httpx.post, f"{replacement.url}/v1/completions", json=NORMAL,
                                          headers=auth_headers(replacement.secret), timeout=30)
             assert ok.status_code == 200, ok.text
-            assert any(f"replica {replica.id} (0.1.0) failed (the engine stopped" in e for e in dep.events), \
+            assert any(f"replica {replica.id} (0.1.0) failed: its engine stopped" in e for e in dep.events), \
                 list(dep.events)
+            assert "Error" not in (dep.last_error or "") and "Error" not in " ".join(dep.events)
             # Killed after the plane's grace (FAILED_GRACE_S), or exited 1 by itself: never a clean exit.
             assert replica.handle.process.returncode in (1, -9)
             stuck.close()
