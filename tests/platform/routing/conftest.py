@@ -260,6 +260,7 @@ class Topology:
     def __init__(self, a: Gateway, b: Gateway, redis_url: str) -> None:
         self.a, self.b = a, b
         self.tables = RedisTables.from_url(redis_url)  # what every gateway and replica shares
+        self.replica_headers = {"Authorization": f"Bearer {CLUSTER_SECRET}"}  # to call a replica directly
 
     @property
     def gateways(self) -> tuple[Gateway, Gateway]:

@@ -58,7 +58,8 @@ def test_adapter_requests_land_on_the_replica_that_holds_the_adapter(topology: A
     # Make each adapter resident on one replica only, by asking that replica directly.
     for adapter, rid in home.items():
         reply = httpx.post(f"{urls[rid]}/v1/completions", json={"model": f"{MODEL}:{adapter}", "prompt": "x = 1",
-                                                                 "max_tokens": 1}, timeout=60)
+                                                                 "max_tokens": 1},
+                           headers=topology.replica_headers, timeout=60)
         assert reply.status_code == 200, reply.text
 
     def adapters() -> dict[str, frozenset[str]]:
