@@ -322,8 +322,7 @@ class LLMEngine:
             log.exception("the forward pass failed for %d request(s) (%d in a row)", len(batch.requests),
                           self._forward_failures)
             if self._forward_failures >= MAX_CONSECUTIVE_FORWARD_FAILURES:
-                raise EngineBrokenError(f"{self._forward_failures} forward passes in a row failed; last: "
-                                        f"{type(e).__name__}: {e}") from e
+                raise EngineBrokenError(f"{self._forward_failures} forward passes in a row failed") from e
             outputs.extend(self._fail(req, "the model's forward pass failed") for req in batch.requests)
             return outputs
         self._forward_failures = 0

@@ -170,7 +170,9 @@ class Replica:
     def failure(self) -> str | None:
         """Why this replica can no longer generate (its engine's step loop crashed), or None while it can."""
         error = self.async_engine.error if self.async_engine is not None else None
-        return None if error is None else f"the engine stopped: {type(error).__name__}: {error}"
+        # What failed stays in the log (the step loop logged it with its traceback): this text reaches /health,
+        # which anyone may read, and clients' error messages.
+        return None if error is None else "the engine stopped after an internal error (the replica's log says which)"
 
     def status(self) -> str:
         """The lifecycle state, or FAILED once the engine has crashed (whatever the state was)."""
