@@ -13,6 +13,7 @@ import re
 import select
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -58,6 +59,13 @@ def _read_ready_url(process: subprocess.Popen[str], log: Path) -> str:
     raise AssertionError(f"ember serve did not become ready (exit code {process.poll()}):\n{log.read_text()}")
 
 
+def _drain(process: subprocess.Popen[str], into: Path) -> None:
+    assert process.stdout is not None
+    with open(into, "a") as out:
+        for line in process.stdout:
+            out.write(line)
+
+
 @pytest.fixture(scope="session")
 def gateway(tmp_path_factory: pytest.TempPathFactory, stop_serve: Callable[..., None]) -> Iterator[Gateway]:
     tmp = tmp_path_factory.mktemp("fuzz-serve")
@@ -74,6 +82,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, stop_serve: Callable[..., 
     pids: set[int] = set()
     try:
         server = Gateway(_read_ready_url(process, log), created.stdout.strip(), log)
+        # Keep reading what it prints: a full pipe would block the gateway's event loop on its next write.
+        threading.Thread(target=_drain, args=(process, tmp / "serve.stdout"), daemon=True).start()
         yield server
         with httpx.Client(timeout=30) as client:  # its replicas, so that none outlives a crashed run
             response = client.get(f"{server.url}/admin/deployments/{MODEL}",

@@ -99,7 +99,8 @@ def huge_numbers() -> Iterator[Request]:
     for field in fields:
         for number in numbers:
             yield post(COMPLETIONS, f'{{"model":"{MODEL}","prompt":"x","{field}":{number}}}'.encode())
-            yield post(CHAT, f'{{"model":"{MODEL}","messages":[{{"role":"user","content":"x"}}],'
+            limit = "" if "max" in field else '"max_tokens":4,'  # chat has no default limit: the whole context
+            yield post(CHAT, f'{{"model":"{MODEL}","messages":[{{"role":"user","content":"x"}}],{limit}'
                              f'"{field}":{number}}}'.encode())
     yield post(COMPLETIONS, f'{{"model":"{MODEL}","prompt":[{"9" * 5000}]}}'.encode())
     yield post(COMPLETIONS, f'{{"model":"{MODEL}","prompt":"x","logit_bias":{{"1":1e999}}}}'.encode())
