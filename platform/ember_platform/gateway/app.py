@@ -7,7 +7,6 @@ import contextlib
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -38,8 +37,8 @@ from ember_platform.gateway.metrics import GatewayMetrics
 from ember_platform.gateway.openapi import OPENAPI_PATH, openapi_endpoint
 from ember_platform.gateway.protocol import MAX_PROMPTS, MAX_PROMPTS_ENV, parse_model_name
 from ember_platform.gateway.proxy import CLIENT_CLOSED, Proxy, ReplicaChooser
-from ember_platform.replica.auth import auth_headers
 from ember_platform.gateway.request_body import check_text
+from ember_platform.replica.auth import auth_headers
 
 logger = logging.getLogger("ember.gateway")
 
@@ -186,7 +185,7 @@ class Gateway:
 
     async def _generate(self, request: Request, path: str, endpoint: str) -> Response:
         received_at = time.monotonic()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = request_body.request_id(request.headers.get("x-request-id"))
         body = await _read_body(request)
         payload = request_body.loads(body)  # a nesting limit first: never a RecursionError
         check_text(payload, body)  # a lone surrogate would fail every later encode (errors, logs, the tokenizer)
@@ -357,7 +356,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     # The exception goes to the log only: its class and text can reveal internals (paths, hosts, code).
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request_id = request_body.request_id(request.headers.get("x-request-id"))
     logger.error("%s %s failed (request %s)", request.method, request.url.path, request_id, exc_info=exc)
     return JSONResponse(error_body(f"The gateway hit an internal error (request id {request_id}). Please retry; if "
                                    "it persists, report the request id.", "server_error", None, "internal_error"),

@@ -10,6 +10,7 @@ h11 without it) with three additions.
   `receive` raises `BodyReadTimeout` (an HTTPException 408 that closes the connection), which Starlette answers
   through the app's HTTPException handler, as an OpenAI error object for the gateway and the replicas.
 - At most `max_per_client` open connections per client address: the next one is answered 429 and closed.
+- A request uvicorn cannot parse is answered 400 with an OpenAI error object (uvicorn's is plain text).
 
 Idle kept-alive connections are uvicorn's `timeout_keep_alive`, as before.
 """
@@ -118,13 +119,24 @@ class BodyTimeout:
         await self.app(scope, timed_receive, send)
 
 
-def _too_many_connections(cap: int) -> bytes:
-    body = json.dumps(error_body(f"Too many open connections from this address (at most {cap}). Reuse "
-                                 "connections, or close some and retry.", "rate_limit_error", None,
-                                 "too_many_connections")).encode()
-    head = (f"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            f"retry-after: 1\r\nconnection: close\r\n\r\n").encode()
+def _raw_error(status: str, error: dict[str, Any], extra_headers: str = "") -> bytes:
+    """A whole HTTP/1.1 response carrying an OpenAI error object, that closes the connection."""
+    body = json.dumps(error).encode()
+    head = (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"{extra_headers}connection: close\r\n\r\n").encode()
     return head + body
+
+
+def _too_many_connections(cap: int) -> bytes:
+    return _raw_error("429 Too Many Requests", error_body(
+        f"Too many open connections from this address (at most {cap}). Reuse connections, or close some and "
+        "retry.", "rate_limit_error", None, "too_many_connections"), "retry-after: 1\r\n")
+
+
+# uvicorn's own answer to bytes that are not HTTP (a malformed request line or header) is plain text.
+_MALFORMED = _raw_error("400 Bad Request", error_body(
+    "Invalid HTTP request: the request line or a header is malformed.", "invalid_request_error", None,
+    "invalid_http_request"))
 
 
 def guarded_protocol(limits: ConnectionLimits, base: type[asyncio.Protocol] = AutoHTTPProtocol
@@ -179,6 +191,11 @@ def guarded_protocol(limits: ConnectionLimits, base: type[asyncio.Protocol] = Au
                 self._arm_header_timer()
             else:
                 self._cancel_header_timer()
+
+        def send_400_response(self, msg: str) -> None:
+            log.warning("%s from %s", msg, self.client[0] if self.client else "?")
+            self.transport.write(_MALFORMED)
+            self.transport.close()
 
         def _arm_header_timer(self) -> None:
             if self._header_timer is None and limits.header_timeout_s and not self.transport.is_closing():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import uuid
 from typing import Any
 
 from starlette.requests import Request
@@ -26,8 +27,9 @@ _STRING_LITERAL = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
 _NOT_STRUCTURE = bytes(set(range(256)) - set(b"[]{},"))
 _OBJECTS_AS_ARRAYS = bytes.maketrans(b"{}", b"[]")
-# A lone surrogate can only come from a \uD800-\uDFFF escape: raw surrogate bytes are invalid UTF-8 and fail decoding.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# A lone surrogate comes from a \uD800-\uDFFF escape, or from its UTF-8-style bytes (ED A0-BF ..), which json.loads
+# decodes with "surrogatepass" instead of refusing them.
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
 def max_body_bytes() -> int:
@@ -137,7 +139,7 @@ def check_text(data: Any, raw: bytes | str | None = None) -> None:
     holds no surrogate escape (the common case: no walk over a large body)."""
     if raw is not None:
         scanned = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
-        if b"\\u" not in scanned or not _SURROGATE_ESCAPE.search(scanned):  # `in`: a plain byte search, faster
+        if (b"\\u" not in scanned and b"\xed" not in scanned) or not _SURROGATE.search(scanned):  # `in`: faster
             return
     path = lone_surrogate_path(data)
     if path is not None:
@@ -149,3 +151,12 @@ def check_text(data: Any, raw: bytes | str | None = None) -> None:
 def _printable(path: str) -> str:
     # A path through an object key with a lone surrogate: shown escaped, so that the error itself can be encoded.
     return path.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id(sent: str | None) -> str:
+    """The client's X-Request-Id when it is a short plain token, else a fresh one: the id is logged, echoed in
+    error bodies and forwarded as a header, where bytes outside ASCII or a kilobyte of them would fail."""
+    return sent if sent and _REQUEST_ID.fullmatch(sent) else uuid.uuid4().hex

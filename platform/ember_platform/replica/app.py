@@ -645,7 +645,7 @@ def create_app(replica: Replica, *, secret: str | None = None) -> Starlette:
         if isinstance(exc, EmberError):  # a package hook or plugin failed: say which, as it said it
             return _error_response(ProtocolError(500, str(exc), None, "internal_error"))
         # Anything else goes to the log only: an exception's class and text can reveal internals.
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = request_body.request_id(request.headers.get("x-request-id"))
         log.error("%s %s failed (request %s)", request.method, request.url.path, request_id, exc_info=exc)
         return _error_response(ProtocolError(500, f"The replica hit an internal error (request id {request_id}).",
                                              None, "internal_error"))

@@ -4,6 +4,7 @@ thread, raw sockets as the slow clients, a Starlette app that reads the whole bo
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -118,3 +119,12 @@ def test_connections_over_the_per_client_cap_get_429_and_the_count_is_released(s
     with _connect(server) as sock:
         sock.sendall(_post(b"x" * 10))
         assert _response(sock).startswith(b"HTTP/1.1 200")
+
+
+def test_a_request_uvicorn_cannot_parse_gets_an_openai_error_object(server: tuple[str, int]) -> None:
+    with _connect(server) as sock:
+        sock.sendall(b"POST /echo HTTP/1.1\r\nHost: t\r\nBad Header\r\n\r\n")
+        _, received = _read_until_closed(sock)
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
+    assert json.loads(body)["error"]["code"] == "invalid_http_request"

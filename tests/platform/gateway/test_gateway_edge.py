@@ -114,6 +114,9 @@ HOSTILE = {
     "lone surrogate in stop": ("/v1/completions",
                                b'{"model": "tiny-llama", "prompt": "x", "stop": ["ok", "\\ud83d"]}', 400, "stop[1]",
                                "invalid_unicode"),
+    "lone surrogate as raw bytes in model": ("/v1/chat/completions",
+                                             b'{"model": "\xed\xa0\x80", "messages": [{"role": "user", "content": '
+                                             b'"x"}]}', 400, "model", "invalid_unicode"),
     "2,500 prompts": ("/v1/completions", json.dumps({"model": MODEL, "prompt": ["x"] * 2500}).encode(), 400,
                       "prompt", None),
     "a 50 MB body": ("/v1/completions", b'{"model": "tiny-llama", "prompt": "' + b"a" * (50 << 20) + b'"}', 413,
@@ -284,3 +287,12 @@ def test_health_stays_fast_while_a_multi_megabyte_prompt_is_routed(served: Serve
           f"p99 {p99 * 1e3:.1f} ms, max {latencies[-1] * 1e3:.1f} ms; the 4 MB prompt got "
           f"{outcome['response'].status_code}")
     assert p99 < 0.1, f"/health p99 {p99 * 1e3:.0f} ms while a 4 MB prompt was routed"
+
+
+@pytest.mark.parametrize("request_id", [b"\xff" * 300, b"r" * 8000])
+def test_a_hostile_request_id_is_replaced_not_echoed(served: Served, request_id: bytes) -> None:
+    with httpx.Client(base_url=served.url, timeout=60) as client:
+        response = client.post("/v1/completions", json={"model": MODEL, "prompt": "def f(x):", "max_tokens": 2},
+                               headers=[(b"x-request-id", request_id)])
+        assert response.status_code == 200, response.text
+        assert client.get("/health").status_code == 200

@@ -15,6 +15,7 @@ from ember_platform.gateway.request_body import (
     json_depth_exceeds,
     loads,
     lone_surrogate_path,
+    request_id,
 )
 
 
@@ -97,3 +98,18 @@ def test_a_body_of_too_many_values_is_refused_before_json_loads_holds_the_loop()
     assert loads(in_strings)["prompt"].startswith("[1, 2]")
     token_ids = json.dumps({"model": "m", "prompt": [list(range(2048))] * MAX_PROMPTS}).encode()
     assert len(parse_completion_request(token_ids).prompts()) == MAX_PROMPTS  # the largest batch still fits
+
+
+def test_lone_surrogates_sent_as_raw_bytes_are_caught_too() -> None:
+    # json.loads decodes the UTF-8-style bytes of a surrogate ("surrogatepass") instead of refusing them.
+    with pytest.raises(ProtocolError) as caught:
+        parse_chat_request(b'{"model": "\xed\xa0\x80", "messages": [{"role": "user", "content": "x"}]}')
+    assert (caught.value.param, caught.value.code) == ("model", "invalid_unicode")
+    assert parse_completion_request('{"model": "m", "prompt": "\ud7ff"}'.encode()).prompt == "\ud7ff"  # not one
+
+
+def test_a_request_id_is_the_clients_only_when_it_is_a_short_plain_token() -> None:
+    assert request_id("req-1.a:b_C") == "req-1.a:b_C"
+    for hostile in ("\xff" * 10, "r" * 5000, "a b", "x\r\nSet-Cookie: y", "", None):
+        generated = request_id(hostile)
+        assert generated != hostile and len(generated) == 32 and generated.isalnum()
