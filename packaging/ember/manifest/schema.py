@@ -248,12 +248,23 @@ class ServingSection(Section):
     prefill_replicas: int = Field(1, ge=1, description="Prefill replicas when disaggregated.")
     decode_replicas: int = Field(1, ge=1, description="Decode replicas when disaggregated.")
     request_timeout: float = Field(600.0, description="Longest a request may run: seconds or \"10m\".")
-    max_queue: int = Field(256, ge=0, description="Requests that may wait for a replica before 429s.")
+    max_queue: int = Field(256, ge=0, description="Requests that may wait in the gateway for a running place "
+                           "(beyond max_num_seqs per ready replica, or for a replica to start) before 429s.")
+    queue_timeout: float | None = Field(None, description="Longest a request may wait in that queue before a 503 "
+                                        "with Retry-After: seconds or \"30s\" (default: request_timeout).")
+    max_concurrency_per_key: int | None = Field(None, ge=1, description="Requests one API key may have running or "
+                                                "waiting on this model at once, beyond which it gets 429s "
+                                                "(default: half of what the model admits).")
 
     @field_validator("request_timeout", mode="before")
     @classmethod
     def _duration(cls, v: Any) -> float:
         return parse_duration(v)
+
+    @field_validator("queue_timeout", mode="before")
+    @classmethod
+    def _optional_duration(cls, v: Any) -> float | None:
+        return None if v is None else parse_duration(v)
 
 
 class Manifest(Section):

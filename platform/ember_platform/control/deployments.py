@@ -120,6 +120,7 @@ class Deployment:
     overrides: dict[str, str] = field(default_factory=dict)  # passed to every replica as --override KEY=VALUE
     desired: int = 0    # replicas of the active version the supervisor keeps alive
     waiting: int = 0    # requests waiting for a ready replica
+    queued: int = 0     # requests waiting in the gateway's admission queue (gateway/admission.py) for a place
     start_failures: int = 0  # replica starts that failed in a row
     last_error: str | None = None
     created_at: float = field(default_factory=time.time)
@@ -151,7 +152,7 @@ class Deployment:
 
     def demand(self) -> int:
         """Requests open on this deployment's replicas plus those waiting for one: what the autoscaler serves."""
-        return self.waiting + sum(r.in_flight for r in self.replicas if r.state is not ReplicaState.DEAD)
+        return self.waiting + self.queued + sum(r.in_flight for r in self.replicas if r.state is not ReplicaState.DEAD)
 
     @property
     def max_queue(self) -> int:
@@ -195,7 +196,7 @@ class Deployment:
             "scaling": {"min_replicas": scaling.min_replicas, "max_replicas": scaling.max_replicas,
                         "prewarm": scaling.prewarm, "target_concurrency": scaling.target_concurrency,
                         "scale_down_delay": scaling.scale_down_delay},
-            "waiting": self.waiting, "last_error": self.last_error, "created_at": self.created_at,
+            "waiting": self.waiting + self.queued, "last_error": self.last_error, "created_at": self.created_at,
         }
         if detail:
             out["version_details"] = {v: self.versions[v].to_json() for v in sorted(self.versions)}

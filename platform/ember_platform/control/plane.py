@@ -241,10 +241,13 @@ class ControlPlane:
 
     # --- the request path ---------------------------------------------------------------------------------
 
-    async def acquire(self, name: str, *, exclude: Collection[str] = (), timeout: float | None = None) -> list[Replica]:
+    async def acquire(self, name: str, *, exclude: Collection[str] = (), timeout: float | None = None,
+                      admitted: bool = False) -> list[Replica]:
         """Ready replicas of NAME (none of `exclude`, by id), waiting for one in NAME's bounded queue if needed.
 
-        A deployment scaled to zero starts a replica for the first waiting request (a cold start).
+        A deployment scaled to zero starts a replica for the first waiting request (a cold start); one whose
+        replicas died waits for their replacements. `admitted`: the caller holds a place in the gateway's admission
+        gate (gateway/admission.py), which bounded it already, so NAME's queue bound is not applied a second time.
         Raises DeploymentNotFound, QueueFull, or NoReplicaAvailable after `timeout` (default: `wait_timeout`).
         """
         dep = self.get(name)
@@ -256,17 +259,14 @@ class ControlPlane:
             return found
         if sleepers := [r for r in dep.sleeping_replicas() if r.id not in exclude]:
             return self._wake(dep, sleepers)
-        if dep.waiting >= dep.max_queue:
+        if not admitted and dep.waiting >= dep.max_queue:
             raise QueueFull(f"{name}: {dep.waiting} requests are already waiting for a replica (max_queue = "
                             f"{dep.max_queue}); retry shortly", retry_after=1.0)
         timeout = self.wait_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         dep.waiting += 1
         try:
-            if dep.desired == 0:
-                dep.desired = 1
-                dep.log("cold start: a request arrived while no replica was running")
-            self._reconcile(dep)
+            self.ensure_replica(dep)
             while True:
                 changed = dep.changed_event()
                 if dep.deleted:
@@ -280,6 +280,19 @@ class ControlPlane:
                     await asyncio.wait_for(changed.wait(), remaining)
         finally:
             dep.waiting -= 1
+
+    def ensure_replica(self, dep: Deployment) -> None:
+        """A request waits for a replica of `dep`: wake its sleeping replicas, or start one for a deployment scaled to
+        zero (a cold start), or replace the ones that died now rather than at the next supervision round."""
+        if dep.deleted or dep.ready_replicas():
+            return
+        if sleepers := dep.sleeping_replicas():
+            self._wake(dep, sleepers)
+            return
+        if dep.desired == 0:
+            dep.desired = 1
+            dep.log("cold start: a request arrived while no replica was running")
+        self._reconcile(dep)
 
     def report_unavailable(self, dep: Deployment, replica: Replica) -> None:
         """A replica answered 503 (it is draining or not ready): route around it until a probe says it is ready."""

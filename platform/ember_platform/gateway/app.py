@@ -22,6 +22,7 @@ from ember.errors import EmberError, RegistryError
 from ember_platform.control.deployments import Deployment
 from ember_platform.control.plane import ControlError, ControlPlane, DeploymentNotFound, NoReplicaAvailable, QueueFull
 from ember_platform.gateway import request_body
+from ember_platform.gateway.admission import Admission
 from ember_platform.gateway.auth import ADMIN_KEY_ENV, Authenticator
 from ember_platform.gateway.errors import (
     ProtocolError,
@@ -45,6 +46,7 @@ logger = logging.getLogger("ember.gateway")
 INFO_TIMEOUT_S = 5.0
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", OPENAPI_PATH})
 ADMIN_STATE = "admin"  # request.state.admin: whether the request came with the admin key (or the gateway has none)
+API_KEY_STATE = "api_key"  # request.state.api_key: the name of the request's API key (absent without keys)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -80,6 +82,7 @@ class AuthMiddleware:
                                        "`ember serve` printed when it first started).", None, "admin_key_required")
         else:
             scope.setdefault("state", {})[ADMIN_STATE] = record.admin  # request.state.admin, for what only it sees
+            scope["state"][API_KEY_STATE] = record.name  # request.state.api_key: the admission gate's per-key limit
             await self.app(scope, receive, send)
             return
         self.metrics.count("", "admin" if admin_route else "api", error.status)
@@ -207,7 +210,8 @@ class Gateway:
         name, _adapter = parse_model_name(model)
         try:
             response = await self.proxy.forward(name, path, body, request_id=request_id, endpoint=endpoint,
-                                                received_at=received_at, receive=request.receive)
+                                                received_at=received_at, receive=request.receive,
+                                                key=getattr(request.state, API_KEY_STATE, None))
         except ControlError as e:
             error = control_error(e, model=model)
             self.metrics.count(name if not isinstance(e, DeploymentNotFound) else "", endpoint, error.status)
@@ -374,6 +378,8 @@ def create_app(plane: ControlPlane, *, authenticator: Authenticator | None, choo
     """
     metrics = GatewayMetrics(plane)
     proxy = Proxy(plane, metrics, chooser=chooser)
+    # Other gateways' replicas (shared routing tables) take this gateway's requests too: they add capacity.
+    proxy.admission = Admission(plane, remote=lambda dep: len(proxy.chooser.remote_candidates(dep)))
     gateway = Gateway(plane, proxy, metrics, ready)
 
     @contextlib.asynccontextmanager

@@ -25,8 +25,10 @@ import httpx
 
 from ember_platform.control.deployments import Deployment, Replica
 from ember_platform.control.plane import ControlPlane, NoReplicaAvailable
-from ember_platform.gateway.errors import ProtocolError
+from ember_platform.gateway.admission import Admission, Ticket
+from ember_platform.gateway.errors import ProtocolError, error_body
 from ember_platform.gateway.metrics import GatewayMetrics
+from ember_platform.gateway.responses import SSE_DONE, sse
 from ember_platform.gateway.upstream import upstream_transport
 from ember_platform.replica.auth import auth_headers
 
@@ -88,27 +90,35 @@ class RoundRobin:
 
 class Proxy:
     def __init__(self, plane: ControlPlane, metrics: GatewayMetrics, *, chooser: ReplicaChooser | None = None,
-                 connect_timeout: float = 5.0) -> None:
+                 connect_timeout: float = 5.0, admission: Admission | None = None) -> None:
+        """`admission`: the gates requests pass before they go to a replica (gateway/admission.py); None admits
+        everything (the engines then queue what they cannot run)."""
         self.plane = plane
         self.metrics = metrics
         self.chooser = chooser or RoundRobin()
+        self.admission = admission
         self.connect_timeout = connect_timeout
         # Streams hold their connection for as long as they run: no pool limit, the replicas queue themselves.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=POOL_KEEPALIVE_S)
         self.client = httpx.AsyncClient(transport=upstream_transport(limits), limits=limits)
 
     async def aclose(self) -> None:
+        if self.admission is not None:
+            await self.admission.aclose()
         await self.client.aclose()
 
     async def forward(self, name: str, path: str, body: bytes, *, request_id: str, endpoint: str,
-                      received_at: float, receive: Callable) -> UpstreamResponse | None:
-        """Open `path` on a replica of deployment NAME; raises ControlError subclasses when none can take it.
+                      received_at: float, receive: Callable, key: str | None = None) -> UpstreamResponse | None:
+        """Open `path` on a replica of deployment NAME; raises ControlError subclasses when none can take it (or the
+        admission gate turns the request away: QueueFull, NoReplicaAvailable). `key`: the API key's name, for the
+        gate's per-key limit.
 
         Returns None when the client left first: while the request waited for a replica, or for the response
         headers (which a replica sends only at the end of an answer that is not streamed); the request is then
         cancelled, which closes its connection to the replica, which aborts it.
         """
-        opening = asyncio.ensure_future(self._open(name, path, body, request_id, endpoint, received_at))
+        opening = asyncio.ensure_future(self._admit_and_open(name, path, body, request_id, endpoint, received_at,
+                                                             key))
         watch = asyncio.ensure_future(_wait_for_disconnect(receive))
         try:
             await asyncio.wait({opening, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -123,11 +133,24 @@ class Proxy:
             return None
         return opening.result()
 
+    async def _admit_and_open(self, name: str, path: str, body: bytes, request_id: str, endpoint: str,
+                              received_at: float, key: str | None) -> UpstreamResponse:
+        """A place in NAME's admission gate, then the replica's response; the place goes back when the response ends
+        (the finisher), or here on every other way out (refused, failed, cancelled)."""
+        if self.admission is None:
+            return await self._open(name, path, body, request_id, endpoint, received_at, None)
+        ticket = await self.admission.gate(self.plane.get(name)).admit(key)
+        try:
+            return await self._open(name, path, body, request_id, endpoint, received_at, ticket)
+        except BaseException:
+            ticket.release()
+            raise
+
     async def _open(self, name: str, path: str, body: bytes, request_id: str, endpoint: str,
-                    received_at: float) -> UpstreamResponse:
+                    received_at: float, ticket: Ticket | None) -> UpstreamResponse:
         tried: set[str] = set()
         retry_after: float | None = None
-        candidates = await self._candidates(name)
+        candidates = await self._candidates(name, admitted=ticket is not None)
         while True:
             dep = self.plane.get(name)
             replica = await self.chooser.achoose(dep, candidates, body, request_id)
@@ -172,10 +195,14 @@ class Proxy:
             if response is not None:
                 self.metrics.upstream_latency.labels(name).observe(time.monotonic() - sent)
                 return UpstreamResponse(response, replica,
-                                        self._finisher(name, endpoint, replica, received_at, request_id),
+                                        self._finisher(name, endpoint, replica, received_at, request_id, ticket),
                                         on_first_chunk=lambda: self.chooser.prefilled(request_id))
             self.metrics.upstream_retries.labels(name).inc()
             candidates = [r for r in await self._candidates(name, wait=False) if r.id not in tried]
+            if not candidates and ticket is not None:
+                # The replicas tried died or are draining: wait for a replacement, as a cold start does, rather than
+                # fail a request that was admitted (it still holds its place, so the wait is bounded by the gate).
+                candidates = await self.plane.acquire(name, exclude=tried, admitted=True)
             if not candidates:
                 raise NoReplicaAvailable(
                     f"No replica of '{name}' can take the request now: the replicas tried are draining or "
@@ -192,7 +219,7 @@ class Proxy:
                         name, request.url.netloc.decode("ascii", "replace"), type(e).__name__, e)
             return await self.client.send(request, stream=True)
 
-    async def _candidates(self, name: str, *, wait: bool = True) -> list[Replica]:
+    async def _candidates(self, name: str, *, wait: bool = True, admitted: bool = False) -> list[Replica]:
         """Ready replicas for a request: this gateway's own, and with shared routing tables those of other
         gateways too (then a gateway that runs none routes to them instead of starting one). Otherwise the
         control plane's bounded queue, which cold-starts a deployment scaled to zero."""
@@ -200,11 +227,13 @@ class Proxy:
         found = [*dep.ready_replicas(), *self.chooser.remote_candidates(dep)]
         if found or not wait:
             return found
-        return await self.plane.acquire(name)
+        return await self.plane.acquire(name, admitted=admitted)
 
     def _finisher(self, name: str, endpoint: str, replica: Replica, received_at: float,
-                  request_id: str) -> Callable[[int], None]:
+                  request_id: str, ticket: Ticket | None) -> Callable[[int], None]:
         def finish(status: int) -> None:
+            if ticket is not None:
+                ticket.release()
             self.chooser.release(request_id)
             replica.in_flight -= 1
             replica.served += 1
@@ -222,7 +251,12 @@ def _retry_after(response: httpx.Response) -> float | None:
 
 
 class UpstreamResponse:
-    """An ASGI response that relays an open httpx stream as it arrives, and closes it when the client leaves."""
+    """An ASGI response that relays an open httpx stream as it arrives, and closes it when the client leaves.
+
+    An SSE stream is relayed in whole events (a chunk's unfinished last event waits for its end), so that when the
+    replica breaks off mid-stream (it died, or the connection did) the client still gets a well-formed ending: an
+    OpenAI-style error event, `data: [DONE]`, and the end of the body, not a cut chunked body.
+    """
 
     def __init__(self, upstream: httpx.Response, replica: Replica, on_finish: Callable[[int], None], *,
                  on_first_chunk: Callable[[], None] | None = None) -> None:
@@ -231,6 +265,9 @@ class UpstreamResponse:
         self.on_finish = on_finish
         self.on_first_chunk = on_first_chunk
         self.status_code = upstream.status_code
+        self.event_stream = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        self._started = False  # the response's headers went out
+        self._ended = False    # its last body message went out
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         headers = [(k, v) for k, v in self.upstream.headers.raw if k.decode("latin-1").lower() not in _HOP_BY_HOP]
@@ -244,8 +281,13 @@ class UpstreamResponse:
             with contextlib.suppress(asyncio.CancelledError):
                 await relay  # re-raises an upstream error that happened mid-stream
         except (httpx.HTTPError, OSError) as e:
-            # Headers may be out already: all that is left is to cut the response short, which the client sees.
+            # Headers are out already: an event stream ends with an error event the client's SSE parser reads (the
+            # OpenAI client raises it as an APIError); any other body can only be cut short, which the client sees.
             logger.warning("stream from replica %s broke off: %s", self.replica.id, e)
+            if self.event_stream and self._started and not self._ended and not watch.done():
+                with contextlib.suppress(OSError):
+                    await send({"type": "http.response.body", "body": _broken_stream_events(), "more_body": False})
+                    self._ended = True
         finally:
             for task in (relay, watch):
                 task.cancel()
@@ -255,13 +297,34 @@ class UpstreamResponse:
 
     async def _relay(self, send: Callable, headers: list[tuple[bytes, bytes]]) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
+        self._started = True
         first, self.on_first_chunk = self.on_first_chunk, None
+        held = b""  # an SSE event begun in the last chunk, sent once it is whole
         async for chunk in self.upstream.aiter_raw():
             if first is not None:  # a streamed answer's first token (a whole one's end): the prefill is over
                 first()
                 first = None
+            if self.event_stream:
+                chunk, held = _whole_events(held + chunk)
+                if not chunk:
+                    continue
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        self._ended = True
+        await send({"type": "http.response.body", "body": held, "more_body": False})
+
+
+def _whole_events(data: bytes) -> tuple[bytes, bytes]:
+    """`data` split after its last complete SSE event (a blank line ends one): what can go out, what waits."""
+    end = data.rfind(b"\n\n")
+    return (data, b"") if end == len(data) - 2 else (data[:end + 2], data[end + 2:])
+
+
+def _broken_stream_events() -> bytes:
+    """The end of an event stream whose replica broke off: one error event, then `[DONE]`."""
+    error = error_body("The replica serving this stream stopped before the answer finished (it may have failed or "
+                       "been stopped); the text so far is incomplete. Please retry the request.", "server_error",
+                       None, "upstream_disconnected")
+    return sse(error) + SSE_DONE
 
 
 async def _wait_for_disconnect(receive: Callable) -> None:
