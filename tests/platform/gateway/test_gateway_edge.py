@@ -289,7 +289,7 @@ def test_health_stays_fast_while_a_multi_megabyte_prompt_is_routed(served: Serve
     assert p99 < 0.1, f"/health p99 {p99 * 1e3:.0f} ms while a 4 MB prompt was routed"
 
 
-@pytest.mark.parametrize("request_id", [b"\xff" * 300, b"r" * 8000])
+@pytest.mark.parametrize("request_id", [b"\xff" * 300, b"caf\xe9-" + b"r" * 100])
 def test_a_hostile_request_id_is_replaced_not_echoed(served: Served, request_id: bytes) -> None:
     with httpx.Client(base_url=served.url, timeout=60) as client:
         response = client.post("/v1/completions", json={"model": MODEL, "prompt": "def f(x):", "max_tokens": 2},
