@@ -431,8 +431,8 @@ def _server_error(e: Exception) -> ProtocolError:
     if isinstance(e, OutputHookError):
         return ProtocolError(500, f"The output hook of {e.plugin} failed on this response; the replica's log has "
                                   f"the details.", None, "output_hook_failed")
-    detail = f": {e}" if str(e) else "."
-    return ProtocolError(500, f"The replica failed while generating{detail}", None, "internal_error")
+    return ProtocolError(500, "The replica failed while generating this response; its log has the details.", None,
+                         "internal_error")
 
 
 def _output_pipelines(replica: Replica, request: dict[str, Any] | bytes | None, params: Sequence[SamplingParams],
