@@ -137,6 +137,9 @@ def token_ids_out_of_range() -> Iterator[Request]:
     for token in (VOCAB, VOCAB + 1, 10**9, 2**31, 2**32, 2**63, 2**64, -1, -(2**63)):
         yield post(COMPLETIONS, completion(prompt=[1, token]))
         yield post(COMPLETIONS, completion(prompt=[[1, 2], [token]]))
+        # Past one KV block (16 tokens): the gateway hashes full blocks of a prompt to route it, before any replica.
+        yield post(COMPLETIONS, completion(prompt=[1] * 32 + [token]))
+        yield post(COMPLETIONS, completion(prompt=[[token] * 40, [1]]))
         yield from both(stop_token_ids=[token])
         yield from both(stop_token_ids=[token], min_tokens=2, max_tokens=4)  # the sampler's mask (issue 13, 2.)
         yield from both(logit_bias={str(token): 1})

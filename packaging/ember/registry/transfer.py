@@ -162,12 +162,12 @@ def pull_package(reference: str, registry: Registry, dest: str | Path,
         _materialize(lock, cache, tmp)
         try:
             verify_package(tmp)
-        except PackageError:
+        except PackageError as e:
             # Blobs were checked on their way into the cache, so a mismatch now means a cached copy
             # was changed since; drop it so that pulling again downloads a good one.
             damaged = cache.evict_damaged(blobs)
-            if not damaged:
-                raise
+            if not damaged:  # named where the file would have been: the temporary directory is gone
+                raise PackageError(str(e).replace(str(tmp), str(dest))) from None
             raise PackageError(f"{cache.root}: {len(damaged)} cached blob(s) had been modified "
                                f"(sha256:{damaged[0][:12]}…) and were removed; pull again") from None
         _check_destination(dest)
