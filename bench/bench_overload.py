@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -157,6 +158,10 @@ def main() -> None:
     manifest = load_manifest(args.model)
     capacity = 16 if args.quick else manifest.runtime.max_num_seqs
     max_queue = 64 if args.quick else manifest.serving.max_queue
+    # Every request here comes from 127.0.0.1, where real overload comes from many addresses: the gateway's cap on
+    # connections per client address (gateway/connections.py) would refuse connections beyond it before admission
+    # control sees them, so it is off for this server (the caller may set one).
+    os.environ.setdefault("EMBER_MAX_CONNECTIONS_PER_CLIENT", "0")
     with tempfile.TemporaryDirectory(prefix="ember-bench-overload-") as tmp:
         package = _pinned_copy(args.model, Path(tmp) / "package", capacity, max_queue)
         server = Server(package, args.threads, Path(tmp))
@@ -200,6 +205,7 @@ def main() -> None:
     ratio_10x = next(e["ratio_to_1x"] for e in record if e["load"] == 10.0)
     print(f"goodput at 10x / at 1x: {ratio_10x:.2f} (target >= {TARGET})")
     emit("bench_overload", {"capacity": capacity, "max_queue": max_queue, "levels": record,
+                            "max_connections_per_client": os.environ["EMBER_MAX_CONNECTIONS_PER_CLIENT"],
                             "goodput_ratio_10x": ratio_10x, "target": TARGET, "env": environment(args)},
          args.results)
 
