@@ -200,6 +200,31 @@ def test_one_key_is_held_to_its_limit_while_another_still_gets_in(served: Served
     assert _completed(bob_result[0], tokens=8), bob_result
 
 
+def test_clients_that_leave_while_queued_or_mid_stream_give_their_places_back(served: Served) -> None:
+    alice, bob = served.keys["alice"], served.keys["bob"]
+    body = {"model": SHED, "prompt": "def main():", "max_tokens": 2000, "temperature": 0, "stream": True,
+            "ignore_eos": True}  # about as long as the model's context allows: the streams run a second or more
+    with httpx.Client(base_url=served.url, timeout=60) as client:
+        streams = [client.stream("POST", "/v1/completions", json=body, headers=_auth(k)) for k in (alice, bob)]
+        running = [s.__enter__() for s in streams]
+        for response in running:
+            assert response.status_code == 200
+            next(response.iter_lines())
+        # A third request waits for a place; its client gives up after 0.2 s, and its place in the queue goes.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{served.url}/v1/completions", json={**body, "stream": False}, headers=_auth(alice),
+                       timeout=httpx.Timeout(60, read=0.2))
+        _wait_until(lambda: served.deployment(SHED)["waiting"] == 0, 10, "the queued place given back")
+        for stream in streams:  # both streaming clients leave mid-stream
+            stream.__exit__(None, None, None)
+    _wait_until(lambda: _places_taken(served, SHED, running=0, queued=0), 10, "the running places given back")
+    # All four places are free again: four streams at once are all admitted.
+    threads, results = _in_threads([lambda k=k: _stream(served, SHED, k, max_tokens=8) for k in (alice, bob) * 2])
+    for thread in threads:
+        thread.join(60)
+    assert all(o is not None and o.status == 200 for o in results), results
+
+
 def test_a_request_that_waits_longer_than_the_queue_timeout_gets_503_with_retry_after(served: Served) -> None:
     key = served.keys["alice"]
     [running], result = _in_threads([lambda: _stream(served, SLOW, key)])
