@@ -112,7 +112,6 @@ def output_limits() -> Iterator[Request]:
         yield post(CHAT, chat(max_completion_tokens=limit))
         yield from both(min_tokens=limit)
         yield from both(max_tokens=4, min_tokens=limit)
-    yield from both(max_tokens=None)
     yield post(COMPLETIONS, completion(prompt="x " * 3000, max_tokens=4))
 
 
