@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import tempfile
 import unicodedata
 from pathlib import Path
@@ -108,7 +109,7 @@ def assert_safe_path(path: str) -> None:
     package, encodable, no control characters (the digest's lines are tab- and newline-separated)."""
     path.encode("utf-8")
     assert not any(unicodedata.category(c) == "Cc" for c in path), path
-    assert not path.startswith("/") and "\\" not in path and ":" not in path[:2], path
+    assert not path.startswith("/") and "\\" not in path and not re.match(r"[A-Za-z]:", path), path  # no drive
     assert all(part not in ("", ".", "..") for part in path.split("/")), path
     assert os.path.normpath(os.path.join("/root", path)).startswith("/root/"), path
 
