@@ -21,6 +21,8 @@ from ember_platform.routing.router import request_block_hashes
 
 log = logging.getLogger(__name__)
 
+MAX_TOKEN_ID = 1 << 32  # block hashes pack token ids as uint32 (engine/block_hash.py)
+
 
 class PromptHasher:
     """Token ids and block hashes of prompts for one package version."""
@@ -34,7 +36,12 @@ class PromptHasher:
         return _hasher_for(str(Path(package_dir).resolve()))
 
     def completion_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        if any(not 0 <= t < MAX_TOKEN_ID for t in ids):  # hashed as uint32; the replica says what is wrong with it
+            raise ValueError("a token id is outside the range routing hashes")
+        return ids
 
     def chat_ids(self, messages: Sequence[Any], tools: Sequence[Any] | None = None) -> list[int]:
         return self.tokenizer.chat_prompt_ids(messages, tools=tools)

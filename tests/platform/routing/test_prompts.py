@@ -53,3 +53,13 @@ def test_the_gateway_side_does_not_import_torch() -> None:
             f"PromptHasher.for_package({str(EXAMPLE)!r}).completion_ids('x'); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_token_ids_routing_cannot_hash_route_on_load_instead_of_failing() -> None:
+    # Found by tests/fuzz: ids past uint32 (or a C long) made the gateway's block hashing raise: a 500.
+    from types import SimpleNamespace
+
+    hasher = PromptHasher.for_package(EXAMPLE)
+    for ids in ([1] * 15 + [2**32], [1] * 15 + [2**70], [-1] * 16):
+        assert hasher.request_ids(SimpleNamespace(prompts=lambda ids=ids: [ids])) is None
+    assert hasher.request_ids(SimpleNamespace(prompts=lambda: [[1] * 16])) == [1] * 16
