@@ -199,9 +199,10 @@ class Proxy:
                                         on_first_chunk=lambda: self.chooser.prefilled(request_id))
             self.metrics.upstream_retries.labels(name).inc()
             candidates = [r for r in await self._candidates(name, wait=False) if r.id not in tried]
-            if not candidates and ticket is not None:
+            if not candidates and ticket is not None and not any(r.id in tried for r in dep.ready_replicas()):
                 # The replicas tried died or are draining: wait for a replacement, as a cold start does, rather than
                 # fail a request that was admitted (it still holds its place, so the wait is bounded by the gate).
+                # A tried replica that is still ready (alive, but it failed this request) gets no such wait: 503.
                 candidates = await self.plane.acquire(name, exclude=tried, admitted=True)
             if not candidates:
                 raise NoReplicaAvailable(

@@ -92,6 +92,8 @@ def served(tmp_path_factory: pytest.TempPathFactory, example_copy: Callable[...,
     server = Served("", keys, tmp / "home", process, log)
     try:
         server.url = _read_ready_url(process, log)
+        # Keep reading its stdout: a full pipe would block the gateway's event loop on its next write.
+        threading.Thread(target=lambda: any(False for _ in process.stdout or ()), daemon=True).start()
         for name in (SHED, SLOW):
             _wait_until(lambda name=name: server.ready(name), READY_TIMEOUT_S, f"a ready replica of {name}")
         yield server
