@@ -44,6 +44,7 @@ DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_MAX_PER_CLIENT = 256
 DEFAULT_REPLICA_MAX_PER_CLIENT = 4096
+REFUSED_HEADER_BYTES = 64 * 1024  # read at most this much of a refused connection's request before answering
 
 
 @dataclass(frozen=True)
@@ -157,15 +158,18 @@ def guarded_protocol(limits: ConnectionLimits, base: type[asyncio.Protocol] = Au
             self.app = apps[id(app)][1]
             self._header_timer: asyncio.TimerHandle | None = None
             self._counted_as: str | None = None
+            self._refused: bytearray | None = None  # what a connection over the cap sent so far
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             peer = self.client[0] if self.client else None
             if limits.max_per_client and peer is not None:
                 if open_by_client.get(peer, 0) >= limits.max_per_client:
-                    log.warning("refused a connection from %s: %d open already", peer, limits.max_per_client)
-                    transport.write(refusal)
-                    transport.close()
+                    # Answered once its request's headers are in, not at once: a response written and closed before
+                    # the client sent its request reaches most clients as a reset (a lost request), not a 429.
+                    log.warning("refusing a connection from %s: %d open already", peer, limits.max_per_client)
+                    self._refused = bytearray()
+                    self._arm_header_timer()
                     return
                 open_by_client[peer] = open_by_client.get(peer, 0) + 1
                 self._counted_as = peer
@@ -183,6 +187,13 @@ def guarded_protocol(limits: ConnectionLimits, base: type[asyncio.Protocol] = Au
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
+            if self._refused is not None:  # over the cap: read up to the end of the headers, then say so
+                self._refused += data
+                if b"\r\n\r\n" in self._refused or len(self._refused) > REFUSED_HEADER_BYTES:
+                    self._cancel_header_timer()
+                    self.transport.write(refusal)
+                    self.transport.close()
+                return
             super().data_received(data)
             # uvicorn makes a request's cycle once its headers are complete; until then (or once the last response
             # is complete and bytes of a next request arrive) the header clock runs.
@@ -208,7 +219,7 @@ def guarded_protocol(limits: ConnectionLimits, base: type[asyncio.Protocol] = Au
 
         def _headers_timed_out(self) -> None:
             self._header_timer = None
-            cycle = self.cycle
+            cycle = None if self._refused is not None else self.cycle
             if (cycle is None or cycle.response_complete) and not self.transport.is_closing():
                 log.info("closed a connection from %s: no complete request headers within %g s",
                          self.client[0] if self.client else "?", limits.header_timeout_s)

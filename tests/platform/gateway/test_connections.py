@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import uvicorn
 from starlette.applications import Starlette
@@ -111,8 +112,18 @@ def test_connections_over_the_per_client_cap_get_429_and_the_count_is_released(s
     held = [_connect(server) for _ in range(3)]
     time.sleep(0.1)
     with _connect(server) as extra:
+        extra.sendall(_post(b"hello"))
         _, received = _read_until_closed(extra)
     assert received.startswith(b"HTTP/1.1 429") and b"too_many_connections" in received
+    # A real client sees the 429 as an answer to its request (it was once written before the request was read,
+    # which clients saw as a reset connection: a lost request).
+    host, port = server
+    refused = httpx.post(f"http://{host}:{port}/echo", content=b"hi", timeout=5)
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "too_many_connections"
+    with _connect(server) as silent:  # one that never sends its headers is closed at the header timeout
+        waited, nothing = _read_until_closed(silent)
+    assert waited < 3 and nothing == b""
     for sock in held:
         sock.close()
     time.sleep(0.1)
