@@ -261,3 +261,37 @@ def stop_serve(process: subprocess.Popen | None, replica_pids: set[int], home: P
 def stop_serve_fixture() -> Callable[[subprocess.Popen | None, set[int], Path], None]:
     """stop_serve(process, replica_pids, home): see `stop_serve` (a fixture: test modules cannot import conftests)."""
     return stop_serve
+
+
+def serve_ready_url(process: subprocess.Popen[str], log: Path, timeout: float = 300.0,
+                    drain_into: Path | None = None) -> str:
+    """The URL an `ember serve` child prints on its ready line (stdout a text pipe), once it does; AssertionError with
+    its log otherwise. From then on its stdout is drained in a thread (into `drain_into`, if given): uvicorn's access
+    log goes there, and a full pipe would block the gateway's event loop on its next write."""
+    import select
+    import threading
+
+    assert process.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([process.stdout], [], [], 0.5)[0]:
+            line = process.stdout.readline()
+            if line.startswith("EMBER_SERVE_READY "):
+                threading.Thread(target=_drain, args=(process, drain_into), daemon=True).start()
+                return line.split()[1]
+            if not line and process.poll() is not None:
+                break
+    raise AssertionError(f"ember serve did not become ready (exit code {process.poll()}):\n{log.read_text()}")
+
+
+def _drain(process: subprocess.Popen[str], into: Path | None) -> None:
+    assert process.stdout is not None
+    with open(into or os.devnull, "a") as out:
+        for line in process.stdout:
+            out.write(line)
+
+
+@pytest.fixture(name="serve_ready_url", scope="session")
+def serve_ready_url_fixture() -> Callable[..., str]:
+    """serve_ready_url(process, log, timeout=300, drain_into=None): see `serve_ready_url`."""
+    return serve_ready_url

@@ -10,10 +10,8 @@ import builtins
 import json
 import os
 import re
-import select
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -45,29 +43,13 @@ class Gateway:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _read_ready_url(process: subprocess.Popen[str], log: Path) -> str:
-    assert process.stdout is not None
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        readable, _, _ = select.select([process.stdout], [], [], 0.5)
-        if readable:
-            line = process.stdout.readline()
-            if line.startswith("EMBER_SERVE_READY "):
-                return line.split()[1]
-            if not line and process.poll() is not None:
-                break
-    raise AssertionError(f"ember serve did not become ready (exit code {process.poll()}):\n{log.read_text()}")
 
 
-def _drain(process: subprocess.Popen[str], into: Path) -> None:
-    assert process.stdout is not None
-    with open(into, "a") as out:
-        for line in process.stdout:
-            out.write(line)
 
 
 @pytest.fixture(scope="session")
-def gateway(tmp_path_factory: pytest.TempPathFactory, stop_serve: Callable[..., None]) -> Iterator[Gateway]:
+def gateway(tmp_path_factory: pytest.TempPathFactory, stop_serve: Callable[..., None],
+            serve_ready_url: Callable[..., str]) -> Iterator[Gateway]:
     tmp = tmp_path_factory.mktemp("fuzz-serve")
     env = {**os.environ, "EMBER_HOME": str(tmp / "home"), "EMBER_REGISTRY": str(tmp / "registry"),
            "EMBER_CACHE": str(tmp / "cache"), "EMBER_ADMIN_KEY": ADMIN_KEY, "OMP_NUM_THREADS": "1",
@@ -81,9 +63,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, stop_serve: Callable[..., 
                                    stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=REPO)
     pids: set[int] = set()
     try:
-        server = Gateway(_read_ready_url(process, log), created.stdout.strip(), log)
-        # Keep reading what it prints: a full pipe would block the gateway's event loop on its next write.
-        threading.Thread(target=_drain, args=(process, tmp / "serve.stdout"), daemon=True).start()
+        server = Gateway(serve_ready_url(process, log, READY_TIMEOUT_S, drain_into=tmp / "serve.stdout"),
+                         created.stdout.strip(), log)
         yield server
         with httpx.Client(timeout=30) as client:  # its replicas, so that none outlives a crashed run
             response = client.get(f"{server.url}/admin/deployments/{MODEL}",

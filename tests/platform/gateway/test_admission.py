@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -71,7 +70,7 @@ def _wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, example_copy: Callable[..., Path],
-           stop_serve: Callable[..., None]) -> Iterator[Served]:
+           stop_serve: Callable[..., None], serve_ready_url: Callable[..., str]) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("admission")
     shed = example_copy(tmp / SHED, lock=False, name=SHED, max_num_seqs=2, max_replicas=1,
                         manifest_extra="\n[serving]\nmax_queue = 2\nmax_concurrency_per_key = 3\n")
@@ -91,9 +90,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, example_copy: Callable[...,
                                    env=env, stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=REPO)
     server = Served("", keys, tmp / "home", process, log)
     try:
-        server.url = _read_ready_url(process, log)
-        # Keep reading its stdout: a full pipe would block the gateway's event loop on its next write.
-        threading.Thread(target=lambda: any(False for _ in process.stdout or ()), daemon=True).start()
+        server.url = serve_ready_url(process, log, READY_TIMEOUT_S)
         for name in (SHED, SLOW):
             _wait_until(lambda name=name: server.ready(name), READY_TIMEOUT_S, f"a ready replica of {name}")
         yield server
@@ -101,17 +98,6 @@ def served(tmp_path_factory: pytest.TempPathFactory, example_copy: Callable[...,
         stop_serve(process, server.pids, server.home)
 
 
-def _read_ready_url(process: subprocess.Popen[str], log: Path) -> str:
-    assert process.stdout is not None
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if select.select([process.stdout], [], [], 0.5)[0]:
-            line = process.stdout.readline()
-            if line.startswith("EMBER_SERVE_READY "):
-                return line.split()[1]
-            if not line and process.poll() is not None:
-                break
-    raise AssertionError(f"ember serve did not become ready (exit code {process.poll()}):\n{log.read_text()}")
 
 
 @dataclass

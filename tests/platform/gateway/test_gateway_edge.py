@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import socket
 import statistics
 import subprocess
@@ -56,21 +55,11 @@ def _address(url: str) -> tuple[str, int]:
     return parts.hostname or "127.0.0.1", parts.port or 80
 
 
-def _read_ready_url(process: subprocess.Popen[str], log: Path, timeout: float = 180) -> str:
-    assert process.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if select.select([process.stdout], [], [], 0.5)[0]:
-            line = process.stdout.readline()
-            if line.startswith("EMBER_SERVE_READY "):
-                return line.split()[1]
-            if not line and process.poll() is not None:
-                break
-    raise AssertionError(f"ember serve did not become ready (exit code {process.poll()}):\n{log.read_text()}")
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory, stop_serve: Callable[..., None]) -> Iterator[Served]:
+def served(tmp_path_factory: pytest.TempPathFactory, stop_serve: Callable[..., None],
+           serve_ready_url: Callable[..., str]) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("edge")
     env = {**os.environ, "EMBER_HOME": str(tmp / "home"), "EMBER_REGISTRY": str(tmp / "registry"),
            "EMBER_CACHE": str(tmp / "cache"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
@@ -82,7 +71,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, stop_serve: Callable[..., N
                                    env=env, stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=REPO)
     server = Served("", process, tmp / "home")
     try:
-        server.url = _read_ready_url(process, log)
+        server.url = serve_ready_url(process, log)
         server.replica_url()
         yield server
     finally:

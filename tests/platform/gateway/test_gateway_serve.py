@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import shutil
 import signal
 import subprocess
@@ -89,22 +88,11 @@ def copy_package(dest: Path, *, name: str | None = None, toml_extra: str = "", h
     return dest
 
 
-def read_ready_url(process: subprocess.Popen[str], log: Path, timeout: float) -> str:
-    assert process.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        readable, _, _ = select.select([process.stdout], [], [], 0.5)
-        if readable:
-            line = process.stdout.readline()
-            if line.startswith("EMBER_SERVE_READY "):
-                return line.split()[1]
-            if not line and process.poll() is not None:
-                break
-    raise AssertionError(f"ember serve did not become ready (exit code {process.poll()}):\n{log.read_text()}")
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory, stop_serve: Callable[..., None]) -> Iterator[Served]:
+def served(tmp_path_factory: pytest.TempPathFactory, stop_serve: Callable[..., None],
+           serve_ready_url: Callable[..., str]) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("serve")
     env = {**os.environ, "EMBER_HOME": str(tmp / "home"), "EMBER_REGISTRY": str(tmp / "registry"),
            "EMBER_CACHE": str(tmp / "cache"), "EMBER_ADMIN_KEY": ADMIN_KEY, "OMP_NUM_THREADS": "1",
@@ -119,7 +107,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, stop_serve: Callable[..., N
                                    stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=REPO)
     server = Served("", api_key, tmp / "home", tmp / "registry", process, log, env)
     try:
-        server.url = read_ready_url(process, log, READY_TIMEOUT_S)
+        server.url = serve_ready_url(process, log, READY_TIMEOUT_S)
         server.deployment()
         yield server
     finally:
