@@ -175,7 +175,8 @@ def assert_redacted(pieces: list[str], answers: int) -> None:
     leaked = [piece for piece in pieces if any(secret in piece for secret in SECRETS)]
     assert not leaked, f"chunks carrying the address: {leaked}"
     assert "".join(pieces) == REDACTED * answers
-    assert sum(1 for piece in pieces if piece) > answers  # it streamed in pieces, not as one held-back whole
+    # How many chunks carry text is timing: a replica merges the deltas a slow reader has not taken yet. That the
+    # filter releases text as soon as it is safe, for every way of cutting it, is test_hook_ember_postprocess_stream's.
 
 
 # --- a real replica ----------------------------------------------------------------------------------------------
