@@ -295,3 +295,35 @@ def _drain(process: subprocess.Popen[str], into: Path | None) -> None:
 def serve_ready_url_fixture() -> Callable[..., str]:
     """serve_ready_url(process, log, timeout=300, drain_into=None): see `serve_ready_url`."""
     return serve_ready_url
+
+
+class HealthProbe:
+    """`with probe_health(url, interval_s) as probe:` /health is probed from another process (fixtures/health_probe.py)
+    until the block ends; then `probe.latencies` holds each probe's delay from when it was due, in seconds."""
+
+    def __init__(self, url: str, interval_s: float) -> None:
+        self.url, self.interval_s = url, interval_s
+        self.latencies: list[float] = []
+
+    def __enter__(self) -> HealthProbe:
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).parent / "fixtures" / "health_probe.py"), self.url,
+             str(self.interval_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout is not None
+        first = self.process.stdout.readline()
+        assert first.strip() == "probing", f"the /health probe did not start (exit code {self.process.poll()})"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        out, _ = self.process.communicate(timeout=60)  # closes its stdin: it stops and prints what it measured
+        assert self.process.returncode == 0, f"a /health probe failed (exit code {self.process.returncode})"
+        self.latencies = sorted(json.loads(out))
+
+    def quantile(self, q: float) -> float:
+        return self.latencies[min(len(self.latencies) - 1, int(len(self.latencies) * q))]
+
+
+@pytest.fixture(name="probe_health", scope="session")
+def probe_health_fixture() -> Callable[[str, float], HealthProbe]:
+    """probe_health(url, interval_s): see `HealthProbe`."""
+    return HealthProbe

@@ -267,22 +267,7 @@ def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error_event_and_new
     assert time.monotonic() - started < 60
 
 
-HEALTH_PROBE = """
-import json, sys, time
-import httpx
-times = []
-with httpx.Client(base_url=sys.argv[1], timeout=10) as client:
-    deadline = time.monotonic() + float(sys.argv[2])
-    while time.monotonic() < deadline:
-        started = time.perf_counter()
-        assert client.get("/health").status_code == 200
-        times.append(time.perf_counter() - started)
-        time.sleep(0.05)
-print(json.dumps(times))
-"""
-
-
-def test_ten_times_overload_is_shed_cleanly_and_health_stays_fast(served: Served) -> None:
+def test_ten_times_overload_is_shed_cleanly_and_health_stays_fast(served: Served, probe_health) -> None:
     """40 streams at once, 20x the model's running capacity (2) and 10x its places (4), in waves for ~10 s: every
     request gets a whole answer, or a 429 or 503 with Retry-After; none is lost; /health stays fast."""
     import asyncio
@@ -310,18 +295,15 @@ def test_ten_times_overload_is_shed_cleanly_and_health_stays_fast(served: Served
 
     # /health is timed from another process: this one's event loop is busy with 40 streams (its lag is not the
     # gateway's).
-    probe = subprocess.Popen([sys.executable, "-c", HEALTH_PROBE, served.url, "12"], stdout=subprocess.PIPE,
-                             text=True)
-    outcomes = asyncio.run(main())
-    health_times = json.loads(probe.communicate(timeout=30)[0])
+    with probe_health(served.url, 0.05) as probe:
+        outcomes = asyncio.run(main())
     statuses = {status for status, _, _ in outcomes}
     assert statuses <= {200, 429, 503}, statuses                   # no other 5xx (nor 4xx)
     assert all(has_retry for status, has_retry, _ in outcomes if status != 200)  # every refusal says when to retry
     assert all(whole for _, _, whole in outcomes)                  # whole answers, OpenAI error objects
     assert sum(status == 200 for status, _, _ in outcomes) >= 4    # the admitted were served...
     assert sum(status == 429 for status, _, _ in outcomes) > len(outcomes) / 2  # ...the excess shed
-    health_times.sort()
-    assert health_times[int(0.99 * (len(health_times) - 1))] < 0.1, health_times[-5:]
+    assert probe.quantile(0.99) < 0.1, probe.latencies[-5:]
     answer = openai.OpenAI(base_url=f"{served.url}/v1", api_key=keys[0], max_retries=0, timeout=60)\
         .completions.create(model=SHED, prompt="Hi", max_tokens=3)  # a normal request right after
     assert answer.usage is not None and answer.usage.completion_tokens == 3

@@ -10,7 +10,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -240,43 +239,21 @@ def test_normal_requests_are_unaffected_by_the_timeouts(served: Served) -> None:
 # --- the event loop -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=False, reason="one fresh-clone run in five saw a 1.5 s /health stall, not yet "
-                   "understood (probe in this process); kept running and reported, see issue 13 note")
-def test_health_stays_fast_while_a_multi_megabyte_prompt_is_routed(served: Served) -> None:
+def test_health_stays_fast_while_a_multi_megabyte_prompt_is_routed(served: Served, probe_health) -> None:
     words = ["def", "class", "import", "return", "self", "x", "print", "(", ")", ":", "\n", "    ", "foo_bar", "42"]
     prompt = " ".join(words[(i * 7) % len(words)] for i in range(900_000))[:4_000_000]
-    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()  # not in the probing window
-    done = threading.Event()
-    outcome: dict[str, httpx.Response] = {}
-
-    def send() -> None:
-        try:
-            outcome["response"] = httpx.post(f"{served.url}/v1/completions", timeout=120, content=body,
-                                             headers={"content-type": "application/json"})
-        finally:
-            done.set()
-
-    latencies = []
-    sender = threading.Thread(target=send)
-    with httpx.Client(base_url=served.url, timeout=30) as client:
-        client.get("/health")
-        sender.start()
-        started = time.perf_counter()
-        # A probe every 10 ms, each timed from when it was due: a stalled loop delays every probe due meanwhile
-        # (one probe timed from its own start would hide a stall of seconds as a single slow sample).
-        for due in (started + i * PROBE_INTERVAL_S for i in range(100_000)):
-            if done.is_set() and due - started > 1.0:
-                break
-            time.sleep(max(0.0, due - time.perf_counter()))
-            assert client.get("/health").status_code == 200
-            latencies.append(time.perf_counter() - due)
-    sender.join()
-    assert "response" in outcome and outcome["response"].status_code < 500, outcome
-    latencies.sort()
-    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
-    print(f"health: {len(latencies)} probes, p50 {statistics.median(latencies) * 1e3:.1f} ms, "
-          f"p99 {p99 * 1e3:.1f} ms, max {latencies[-1] * 1e3:.1f} ms; the 4 MB prompt got "
-          f"{outcome['response'].status_code}")
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()
+    # Timed from another process: this one, hundreds of tests in, has a heap whose garbage collections alone once
+    # stalled a probe here for 1.5 s (the gateway's own loop was not the cause).
+    with probe_health(served.url, PROBE_INTERVAL_S) as probe:
+        response = httpx.post(f"{served.url}/v1/completions", timeout=120, content=body,
+                              headers={"content-type": "application/json"})
+        time.sleep(1.0)  # probes after the answer too: the prompt's cleanup must not stall the loop either
+    assert response.status_code < 500, response.text[:500]
+    p99 = probe.quantile(0.99)
+    print(f"health: {len(probe.latencies)} probes, p50 {statistics.median(probe.latencies) * 1e3:.1f} ms, "
+          f"p99 {p99 * 1e3:.1f} ms, max {probe.latencies[-1] * 1e3:.1f} ms; the 4 MB prompt got "
+          f"{response.status_code}")
     assert p99 < 0.1, f"/health p99 {p99 * 1e3:.0f} ms while a 4 MB prompt was routed"
 
 
