@@ -52,19 +52,6 @@ def _connect(address: tuple[str, int]) -> socket.socket:
     return socket.create_connection(address, timeout=5)
 
 
-def _read_until_closed(sock: socket.socket, limit: float = 5.0) -> tuple[float, bytes]:
-    start, received = time.monotonic(), b""
-    sock.settimeout(limit)
-    try:
-        while chunk := sock.recv(65536):
-            received += chunk
-    except TimeoutError:
-        raise AssertionError(f"still open after {limit} s") from None
-    except ConnectionResetError:
-        pass
-    return time.monotonic() - start, received
-
-
 def _response(sock: socket.socket) -> bytes:
     """One whole response (status line, headers and its content-length of body)."""
     data = b""
@@ -82,38 +69,39 @@ def _post(body: bytes) -> bytes:
     return (b"POST /echo HTTP/1.1\r\nHost: t\r\ncontent-length: %d\r\n\r\n" % len(body)) + body
 
 
-def test_partial_headers_are_closed_after_the_header_timeout(server: tuple[str, int]) -> None:
+def test_partial_headers_are_closed_after_the_header_timeout(server: tuple[str, int], closed_after) -> None:
     with _connect(server) as sock:
         sock.sendall(b"POST /echo HTTP/1.1\r\nHost: t\r\n")
-        waited, received = _read_until_closed(sock)
+        waited, received = closed_after(sock)
     assert 0.4 <= waited < 3 and received == b""
 
 
-def test_a_stalled_body_is_answered_408_and_closed(server: tuple[str, int]) -> None:
+def test_a_stalled_body_is_answered_408_and_closed(server: tuple[str, int], closed_after) -> None:
     with _connect(server) as sock:
         sock.sendall(b"POST /echo HTTP/1.1\r\nHost: t\r\ncontent-length: 100\r\n\r\nabc")
-        waited, received = _read_until_closed(sock)
+        waited, received = closed_after(sock)
     assert 0.4 <= waited < 3
     assert received.startswith(b"HTTP/1.1 408") and b"connection: close" in received.lower()
 
 
-def test_a_kept_alive_connection_gets_a_fresh_header_clock_per_request(server: tuple[str, int]) -> None:
+def test_a_kept_alive_connection_gets_a_fresh_header_clock_per_request(server: tuple[str, int], closed_after) -> None:
     with _connect(server) as sock:
         for _ in range(3):  # idle longer than the header timeout between requests: uvicorn's keep-alive governs
             sock.sendall(_post(b"hello"))
             assert _response(sock).startswith(b"HTTP/1.1 200")
             time.sleep(0.7)
         sock.sendall(b"POST /echo HTTP/1.1\r\n")  # then a request that never finishes its headers
-        waited, _ = _read_until_closed(sock)
+        waited, _ = closed_after(sock)
     assert waited < 3
 
 
-def test_connections_over_the_per_client_cap_get_429_and_the_count_is_released(server: tuple[str, int]) -> None:
+def test_connections_over_the_per_client_cap_get_429_and_the_count_is_released(server: tuple[str, int],
+                                                                               closed_after) -> None:
     held = [_connect(server) for _ in range(3)]
     time.sleep(0.1)
     with _connect(server) as extra:
         extra.sendall(_post(b"hello"))
-        _, received = _read_until_closed(extra)
+        _, received = closed_after(extra)
     assert received.startswith(b"HTTP/1.1 429") and b"too_many_connections" in received
     # A real client sees the 429 as an answer to its request (it was once written before the request was read,
     # which clients saw as a reset connection: a lost request).
@@ -122,7 +110,7 @@ def test_connections_over_the_per_client_cap_get_429_and_the_count_is_released(s
     assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["code"] == "too_many_connections"
     with _connect(server) as silent:  # one that never sends its headers is closed at the header timeout
-        waited, nothing = _read_until_closed(silent)
+        waited, nothing = closed_after(silent)
     assert waited < 3 and nothing == b""
     for sock in held:
         sock.close()
@@ -132,10 +120,10 @@ def test_connections_over_the_per_client_cap_get_429_and_the_count_is_released(s
         assert _response(sock).startswith(b"HTTP/1.1 200")
 
 
-def test_a_request_uvicorn_cannot_parse_gets_an_openai_error_object(server: tuple[str, int]) -> None:
+def test_a_request_uvicorn_cannot_parse_gets_an_openai_error_object(server: tuple[str, int], closed_after) -> None:
     with _connect(server) as sock:
         sock.sendall(b"POST /echo HTTP/1.1\r\nHost: t\r\nBad Header\r\n\r\n")
-        _, received = _read_until_closed(sock)
+        _, received = closed_after(sock)
     head, _, body = received.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
     assert json.loads(body)["error"]["code"] == "invalid_http_request"

@@ -144,32 +144,18 @@ def _connect(address: tuple[str, int]) -> socket.socket:
     return sock
 
 
-def _closed_after(sock: socket.socket, limit: float) -> tuple[float, bytes]:
-    """Seconds until the server closed the connection (reading whatever it sent first), or fails after `limit`."""
-    start, received = time.monotonic(), b""
-    sock.settimeout(limit)
-    try:
-        while chunk := sock.recv(65536):
-            received += chunk
-    except TimeoutError:
-        raise AssertionError(f"the connection was still open after {limit} s") from None
-    except ConnectionResetError:
-        pass
-    return time.monotonic() - start, received
-
-
 @pytest.mark.parametrize("target", ["gateway", "replica"])
-def test_partial_headers_are_closed_after_the_header_timeout(served: Served, target: str) -> None:
+def test_partial_headers_are_closed_after_the_header_timeout(served: Served, target: str, closed_after) -> None:
     address = served.address if target == "gateway" else _address(served.replica_url())
     with _connect(address) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: edge\r\ncontent-type: application/json\r\n")
-        waited, _ = _closed_after(sock, HEADER_TIMEOUT_S + 4)
+        waited, _ = closed_after(sock, HEADER_TIMEOUT_S + 4)
     assert waited >= HEADER_TIMEOUT_S * 0.8, waited
     with _connect(address) as idle:  # a connection that sends nothing at all is closed too
-        _closed_after(idle, HEADER_TIMEOUT_S + 4)
+        closed_after(idle, HEADER_TIMEOUT_S + 4)
 
 
-def test_headers_sent_a_byte_at_a_time_do_not_extend_the_timeout(served: Served) -> None:
+def test_headers_sent_a_byte_at_a_time_do_not_extend_the_timeout(served: Served, closed_after) -> None:
     request = b"GET /health HTTP/1.1\r\nHost: edge\r\nX-Padding: " + b"a" * 200
     with _connect(served.address) as sock:
         start = time.monotonic()
@@ -179,16 +165,16 @@ def test_headers_sent_a_byte_at_a_time_do_not_extend_the_timeout(served: Served)
                 time.sleep(0.05)
         except (BrokenPipeError, ConnectionResetError):
             pass
-        _closed_after(sock, HEADER_TIMEOUT_S + 4)
+        closed_after(sock, HEADER_TIMEOUT_S + 4)
     assert time.monotonic() - start < HEADER_TIMEOUT_S + 4
 
 
-def test_a_partial_body_is_answered_408_and_closed(served: Served) -> None:
+def test_a_partial_body_is_answered_408_and_closed(served: Served, closed_after) -> None:
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: edge\r\ncontent-type: application/json\r\n"
             b"content-length: 200\r\n\r\n")
     with _connect(served.address) as sock:
         sock.sendall(head + b'{"model": "tiny-llama", "prompt": "')
-        waited, received = _closed_after(sock, BODY_TIMEOUT_S + 4)
+        waited, received = closed_after(sock, BODY_TIMEOUT_S + 4)
     assert waited >= BODY_TIMEOUT_S * 0.8
     status_line, _, rest = received.partition(b"\r\n")
     assert status_line.startswith(b"HTTP/1.1 408"), received[:300]
@@ -196,13 +182,13 @@ def test_a_partial_body_is_answered_408_and_closed(served: Served) -> None:
     assert set(error) == {"message", "type", "param", "code"} and "body" in error["message"]
 
 
-def test_connections_beyond_the_per_client_cap_are_refused(served: Served) -> None:
+def test_connections_beyond_the_per_client_cap_are_refused(served: Served, closed_after) -> None:
     held = [_connect(served.address) for _ in range(PER_CLIENT)]
     try:
         time.sleep(0.2)  # every one of them accepted by the server
         with _connect(served.address) as extra:
             extra.sendall(b"GET /health HTTP/1.1\r\nHost: edge\r\n\r\n")
-            _, received = _closed_after(extra, 5)
+            _, received = closed_after(extra, 5)
         assert received.startswith(b"HTTP/1.1 429"), received[:300]
         error = json.loads(received.partition(b"\r\n\r\n")[2])["error"]
         assert error["code"] == "too_many_connections" and error["type"] == "rate_limit_error"
