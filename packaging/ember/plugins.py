@@ -198,9 +198,8 @@ class PluginHost:
                                 or selection.name == _manifest_value(manifest, spec.manifest_key or "")):
                 options = _manifest_options(manifest, kind)
             return SelectionReport(kind, selection.name, dict(options), selection.reason, decided_by)
-        raise PluginError(f"no installed plugin provides an {kind} technique for {hardware.describe()} "
-                          if kind[0] in "aeiou" else
-                          f"no installed plugin provides a {kind} technique for {hardware.describe()} "
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise PluginError(f"no installed plugin provides {article} {kind} technique for {hardware.describe()} "
                           f"(set {spec.manifest_key} in ember.toml, or install a plugin that provides one)")
 
     def select_all(self, manifest: Manifest, hardware: Hardware | None = None) -> dict[str, SelectionReport]:

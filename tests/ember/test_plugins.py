@@ -148,8 +148,12 @@ def test_auto_with_nothing_installed_falls_back_plainly(make_package) -> None:
     host = PluginHost(entry_points=False)
     report = host.select("quantization", manifest, CPU)
     assert (report.name, report.decided_by) == ("none", "ember's auto fallback")
-    with pytest.raises(PluginError, match="no installed plugin provides an attention technique"):
+    with pytest.raises(PluginError) as refused:
         host.select("attention", manifest, CPU)
+    # The remedy is there whatever the kind's first letter ("an attention", "a speculator").
+    assert str(refused.value) == ("no installed plugin provides an attention technique for "
+                                  f"{CPU.describe()} (set kernels.attention in ember.toml, or install a plugin "
+                                  "that provides one)")
 
 
 def test_hook_error_is_attributed(make_package) -> None:
