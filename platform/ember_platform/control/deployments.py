@@ -12,6 +12,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ember_platform.control.backoff import RestartBackoff
+
 if TYPE_CHECKING:
     from ember.manifest import Manifest
     from ember_platform.control.launcher import ReplicaHandle
@@ -37,6 +39,7 @@ class Replica:
     handle: ReplicaHandle | None = None
     created_at: float = field(default_factory=time.time)
     start_s: float | None = None  # launch -> ready, as the control plane saw it
+    ready_at: float | None = None  # monotonic time it became ready (the crash-loop backoff forgives after a while)
     stopping: bool = False        # the control plane is draining it (it will not come back)
     in_flight: int = 0            # requests the gateway has open on it
     served: int = 0
@@ -121,7 +124,7 @@ class Deployment:
     desired: int = 0    # replicas of the active version the supervisor keeps alive
     waiting: int = 0    # requests waiting for a ready replica
     queued: int = 0     # requests waiting in the gateway's admission queue (gateway/admission.py) for a place
-    start_failures: int = 0  # replica starts that failed in a row
+    backoff: RestartBackoff = field(default_factory=RestartBackoff)  # replica failures in a row, restarts
     last_error: str | None = None
     created_at: float = field(default_factory=time.time)
     events: deque[str] = field(default_factory=lambda: deque(maxlen=MAX_EVENTS))
@@ -197,6 +200,7 @@ class Deployment:
                         "prewarm": scaling.prewarm, "target_concurrency": scaling.target_concurrency,
                         "scale_down_delay": scaling.scale_down_delay},
             "waiting": self.waiting + self.queued, "last_error": self.last_error, "created_at": self.created_at,
+            "restarts": self.backoff.to_json(time.monotonic()),
         }
         if detail:
             out["version_details"] = {v: self.versions[v].to_json() for v in sorted(self.versions)}

@@ -22,6 +22,7 @@ from ember.manifest import load_manifest
 from ember.package.lock import LOCK_NAME, Lock
 from ember.registry import BlobCache, Registry, parse_reference, pull_package, resolve, short_digest
 from ember_platform.control.autoscaler import ScaleMemory, ScalingPolicy, decide
+from ember_platform.control.backoff import BackoffPolicy
 from ember_platform.control.deployments import (
     Deployment,
     DeploymentVersion,
@@ -41,7 +42,6 @@ logger = logging.getLogger("ember.control")
 PROBE_TIMEOUT_S = 2.0
 # A replica whose engine died exits by itself once nothing is in flight (replica/server.py); past this, it is killed.
 FAILED_GRACE_S = 3.0
-MAX_BACKOFF_S = 30.0
 
 
 class ControlError(Exception):
@@ -95,23 +95,24 @@ class ControlPlane:
     """Deployments by name. Call `start()` on the running loop before use, and `shutdown()` at the end."""
 
     def __init__(self, registry: Registry, *, packages_dir: Path, launcher: Launcher, cache: BlobCache | None = None,
-                 probe_interval: float = 1.0, max_start_failures: int = 3, wait_timeout: float = 120.0,
-                 routing_tables: RoutingTables | None = None) -> None:
+                 probe_interval: float = 1.0, restart_backoff: BackoffPolicy | None = None,
+                 wait_timeout: float = 120.0, routing_tables: RoutingTables | None = None) -> None:
         """`routing_tables`: where each deployment's state (cold, starting, warm, sleeping) is written, the tables
         the gateway routes with (shared with other gateways through Redis); in-process tables of its own otherwise.
+        `restart_backoff`: how long replacements of replicas that keep failing wait (control/backoff.py).
         """
         self.registry = registry
         self.packages_dir = Path(packages_dir)
         self.launcher = launcher
         self.cache = cache or BlobCache.default()
         self.probe_interval = probe_interval
-        self.max_start_failures = max_start_failures
+        self.restart_backoff = restart_backoff or BackoffPolicy()
         self.wait_timeout = wait_timeout  # longest a request waits for a ready replica (e.g. a cold start)
         self._deployments: dict[str, Deployment] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._launching: dict[str, asyncio.Task[Replica]] = {}  # replica id -> its start
         self._retiring: dict[str, asyncio.Task[None]] = {}      # replica id -> its drain and stop
-        self._next_start_at: dict[str, float] = {}               # deployment -> earliest retry after failures
+        self._restart_timers: dict[str, asyncio.TimerHandle] = {}  # deployment -> its reconcile when backoff ends
         self._scale_memory: dict[str, ScaleMemory] = {}           # deployment -> the autoscaler's memory
         self._supervisor: asyncio.Task[None] | None = None
         self._probe_client: httpx.AsyncClient | None = None
@@ -128,6 +129,8 @@ class ControlPlane:
     async def shutdown(self) -> None:
         """Drain and stop every replica (each bounded by the launcher's drain timeout), then stop supervising."""
         self._closing = True
+        for timer in self._restart_timers.values():
+            timer.cancel()
         if self._supervisor is not None:
             self._supervisor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -273,6 +276,8 @@ class ControlPlane:
                     raise DeploymentNotFound(name, self._deployments)
                 if found := candidates():
                     return found
+                if (refusal := self._backing_off(dep)) is not None:
+                    raise refusal
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise self._unavailable(dep, timeout)
@@ -283,7 +288,10 @@ class ControlPlane:
 
     def ensure_replica(self, dep: Deployment) -> None:
         """A request waits for a replica of `dep`: wake its sleeping replicas, or start one for a deployment scaled to
-        zero (a cold start), or replace the ones that died now rather than at the next supervision round."""
+        zero (a cold start), or replace the ones that died now rather than at the next supervision round.
+
+        Raises NoReplicaAvailable (503 with Retry-After) while `dep`'s replicas keep failing and the next restart
+        waits out its backoff: nothing could answer the request before then."""
         if dep.deleted or dep.ready_replicas():
             return
         if sleepers := dep.sleeping_replicas():
@@ -293,6 +301,8 @@ class ControlPlane:
             dep.desired = 1
             dep.log("cold start: a request arrived while no replica was running")
         self._reconcile(dep)
+        if (refusal := self._backing_off(dep)) is not None:
+            raise refusal
 
     def report_unavailable(self, dep: Deployment, replica: Replica) -> None:
         """A replica answered 503 (it is draining or not ready): route around it until a probe says it is ready."""
@@ -368,8 +378,7 @@ class ControlPlane:
         if initial == 0:  # a scale-to-zero deployment keeps what runs; the autoscaler removes idle replicas
             return
         dep.desired = initial
-        dep.start_failures = 0
-        self._next_start_at.pop(dep.name, None)
+        dep.backoff.clear()
         live = dep.live_replicas()
         extra = live[initial:]
         starts = self._reconcile(dep)
@@ -396,8 +405,8 @@ class ControlPlane:
         previous = dep.active_version
         if remember:
             dep.history.append(previous)
-        dep.active_version, dep.desired, dep.start_failures = version, count, 0
-        self._next_start_at.pop(dep.name, None)
+        dep.active_version, dep.desired = version, count
+        dep.backoff.clear()
         dep.log(f"{version} is active ({short_digest(dep.active.digest)}); draining {previous}")
         dep.notify()
         for replica in list(dep.replicas):
@@ -411,11 +420,42 @@ class ControlPlane:
         missing = dep.desired - len(dep.live_replicas())
         if missing <= 0:
             return []
-        if dep.start_failures >= self.max_start_failures:
-            retry_at = self._next_start_at.get(dep.name, 0.0)
-            if time.monotonic() < retry_at:
-                return []
+        wait = dep.backoff.remaining(time.monotonic())
+        if wait > 0:  # replicas keep failing: the next one starts when the backoff ends, not at the next probe
+            if dep.name not in self._restart_timers:
+                self._restart_timers[dep.name] = asyncio.get_running_loop().call_later(wait, self._backoff_over, dep)
+            return []
+        if dep.backoff.failures:
+            dep.backoff.restarted()
+            dep.log(f"restarting: {missing} replacement(s) after {dep.backoff.failures} failure(s) in a row "
+                    f"(restart {dep.backoff.restarts})")
         return [self._launch(dep, dep.active_version) for _ in range(missing)]
+
+    def _backoff_over(self, dep: Deployment) -> None:
+        self._restart_timers.pop(dep.name, None)
+        if not self._lock(dep.name).locked():  # an operation in progress owns the replica count
+            self._reconcile(dep)
+
+    def _failed(self, dep: Deployment, replica: Replica, reason: str) -> None:
+        """A replica of `dep` failed on its own: count it towards the crash-loop backoff of its replacement."""
+        if replica.version != dep.active_version or dep.deleted:
+            return  # a new version's replica that failed to start fails its operation instead
+        delay = dep.backoff.failed(self.restart_backoff, reason, time.monotonic())
+        dep.last_error = reason
+        if delay > 0:
+            dep.log(f"crash-loop backoff: {dep.backoff.failures} failures in a row; the next replica starts in "
+                    f"{delay:.1f} s")
+            logger.warning("%s: %d replica failures in a row; restarting in %.1f s", dep.name, dep.backoff.failures,
+                           delay)
+
+    def _backing_off(self, dep: Deployment) -> NoReplicaAvailable | None:
+        """The answer for a request while nothing runs and the next restart waits out its backoff, else None."""
+        wait = dep.backoff.remaining(time.monotonic())
+        if wait <= 0 or dep.live_replicas() or dep.sleeping_replicas():
+            return None
+        return NoReplicaAvailable(f"No replica of '{dep.name}' is running: its replicas failed "
+                                  f"{dep.backoff.failures} times in a row (last: {dep.backoff.last_failure}), and the "
+                                  f"next one starts in {wait:.1f} s. Please retry then.", retry_after=wait)
 
     def _launch(self, dep: Deployment, version: str) -> asyncio.Task[Replica]:
         replica = Replica(version=version)
@@ -440,10 +480,8 @@ class ControlPlane:
             if replica in dep.replicas:
                 dep.replicas.remove(replica)
             if isinstance(e, Exception):
-                dep.start_failures += 1
+                self._failed(dep, replica, f"replica failed to start: {str(e).splitlines()[0]}")
                 dep.last_error = f"replica failed to start: {e}"
-                backoff = min(MAX_BACKOFF_S, 2.0 ** dep.start_failures)
-                self._next_start_at[dep.name] = time.monotonic() + backoff
                 dep.log(f"replica {replica.id} ({replica.version}) failed to start: {str(e).splitlines()[0]}")
                 logger.error("%s: replica %s failed to start: %s", dep.name, replica.id, e)
             dep.notify()
@@ -454,7 +492,7 @@ class ControlPlane:
             self._bury(dep, replica)
             return replica
         replica.state = ReplicaState.READY
-        dep.start_failures = 0
+        replica.ready_at = time.monotonic()
         dep.log(f"replica {replica.id} ({replica.version}) ready at {replica.url} in {replica.start_s:.1f} s")
         dep.notify()
         return replica
@@ -513,6 +551,7 @@ class ControlPlane:
                 code = getattr(replica.handle.process, "returncode", None) if replica.handle else None
                 dep.log(f"replica {replica.id} ({replica.version}) exited by itself (code {code})")
                 logger.warning("%s: replica %s at %s exited (code %s)", dep.name, replica.id, replica.url, code)
+                self._failed(dep, replica, f"replica {replica.id} exited by itself (code {code})")
         replica.state = ReplicaState.DEAD
         dep.notify()
 
@@ -542,6 +581,9 @@ class ControlPlane:
         probed = [r for r in dep.replicas if r.handle is not None and not r.stopping
                   and r.state in (ReplicaState.READY, ReplicaState.DRAINING)]
         await asyncio.gather(*(self._probe(dep, r) for r in probed))
+        ready_since = min((r.ready_at for r in dep.ready_replicas() if r.ready_at is not None), default=None)
+        if dep.backoff.forgive(self.restart_backoff, ready_since, time.monotonic()):
+            dep.log(f"a replica stayed ready for {self.restart_backoff.reset_after_s:.0f} s: failures forgiven")
         if not self._lock(dep.name).locked():  # an operation in progress owns the replica count
             self._autoscale(dep)
             self._reconcile(dep)
@@ -550,7 +592,7 @@ class ControlPlane:
         """A replica that can never serve again (its engine died): kill it after a short grace, whatever it holds
         (its requests failed with its engine), and start its replacement now rather than once it is gone."""
         # What failed (an exception's text) goes to the log only: last_error and the events reach response bodies.
-        dep.last_error = f"replica {replica.id}'s engine failed; a replacement is starting"
+        self._failed(dep, replica, f"replica {replica.id}'s engine failed")
         dep.log(f"replica {replica.id} ({replica.version}) failed: its engine stopped; stopping it, starting a "
                 "replacement")
         logger.error("%s: replica %s at %s failed: %s; replacing it", dep.name, replica.id, replica.url, failure)

@@ -109,19 +109,19 @@ class AdmissionGate:
             raise QueueFull(f"'{self.name}' is overloaded: {self.running} requests running (capacity "
                             f"{limits.running}) and {len(self._queue)} waiting (max_queue = {limits.queue}); "
                             "retry shortly", retry_after=FULL_RETRY_AFTER_S)
+        if self._on_wait is not None and limits.running == 0:
+            self._on_wait()  # may refuse at once: NoReplicaAvailable while the replicas' restarts back off
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (ticket, future)
         self._queue.append(entry)
         if key is not None:
             self._per_key[key] += 1
         self._queue_changed()
-        if self._on_wait is not None and limits.running == 0:
-            self._on_wait()
         self._watch()
         try:
             await asyncio.wait_for(asyncio.shield(future), limits.queue_timeout)
         except BaseException as e:
-            if future.done() and not future.cancelled():
+            if future.done() and not future.cancelled() and future.exception() is None:
                 ticket.release()  # let in just as it gave up: hand the place on
             else:
                 future.cancel()
@@ -189,8 +189,21 @@ class AdmissionGate:
             self.pump()
             if not self._queue:
                 return
+            self._refuse_if_unavailable()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), WATCH_INTERVAL_S)
+
+    def _refuse_if_unavailable(self) -> None:
+        """Nothing runs and `on_wait` refuses (the replicas' restarts back off): the waiting requests get its 503 now
+        rather than at their queue timeout."""
+        if self._on_wait is None or self._limits().running > 0:
+            return
+        try:
+            self._on_wait()
+        except NoReplicaAvailable as e:
+            for _, future in self._queue:
+                if not future.done():
+                    future.set_exception(NoReplicaAvailable(e.message, retry_after=e.retry_after))
 
     async def aclose(self) -> None:
         if self._watcher is not None:

@@ -134,3 +134,62 @@ def test_a_failed_replica_is_reaped_and_replaced_and_the_deployment_serves_again
             await plane.shutdown()
 
     asyncio.run(asyncio.wait_for(scenario(), 180))
+
+
+def test_a_replica_that_keeps_failing_is_restarted_with_growing_backoff_and_requests_get_503_meanwhile(
+        tmp_path: Path, example_copy: Callable[..., Path], until: Callable[..., Any]) -> None:
+    """CrashLoopBackOff: each replacement's engine dies too. The first is replaced at once, then the waits double
+    (1 s, 2 s with this policy), the admin view says so, and a request meanwhile gets a 503 with Retry-After at once
+    (it does not wait for a replica that cannot come before the backoff ends)."""
+    from ember_platform.control.backoff import BackoffPolicy
+    from ember_platform.gateway.app import create_app
+
+    registry = LocalRegistry(tmp_path / "registry")
+    push_package(crashing_package(tmp_path / "pkg", example_copy, min_replicas=1, max_replicas=1), registry)
+    policy = BackoffPolicy(base_s=1.0, max_s=8.0, reset_after_s=600.0)
+
+    async def scenario() -> None:
+        plane = ControlPlane(registry, packages_dir=tmp_path / "packages", cache=BlobCache(tmp_path / "cache"),
+                             launcher=LocalProcessLauncher(log_dir=tmp_path / "logs", drain_timeout=30),
+                             probe_interval=0.1, restart_backoff=policy)
+        app = create_app(plane, authenticator=None)
+        await plane.start()
+        gateway = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway", timeout=60)
+        try:
+            dep = await plane.deploy("tiny-llama")
+            intervals = []
+            for failures in (1, 2, 3):
+                [replica] = await until(dep.ready_replicas, 60, f"a ready replica before failure {failures}")
+                await asyncio.to_thread(crash, replica.url, replica.secret)
+                await until(lambda n=failures: dep.backoff.failures == n, 10, f"failure {failures} to be counted")
+                failed_at = dep.backoff.last_failure_at  # wall clock, when the plane counted it
+                assert failed_at is not None
+                if failures == 3:  # backing off for 2 s: a request now is refused at once, and says when to retry
+                    sent = time.monotonic()
+                    refused = await gateway.post("/v1/completions", json=NORMAL)
+                    assert refused.status_code == 503, refused.text
+                    assert time.monotonic() - sent < 1.0
+                    assert 1 <= int(refused.headers["retry-after"]) <= 2
+                    assert "failed 3 times in a row" in refused.json()["error"]["message"]
+                    admin = (await gateway.get("/admin/deployments/tiny-llama")).json()["restarts"]
+                    assert admin["failures_in_a_row"] == 3 and admin["count"] == 2 and admin["backoff_s"] == 2.0
+                    assert 0 < admin["next_restart_in_s"] <= 2.0 and admin["next_restart_at"] > time.time()
+                    assert admin["last_failure"] == f"replica {replica.id}'s engine failed"
+                await until(lambda old=replica: [r for r in dep.replicas if r is not old and not r.stopping], 15,
+                            f"the replacement after failure {failures}")
+                intervals.append(time.time() - failed_at)  # polling adds up to 50 ms: only ever longer
+            print("restart intervals:", [f"{s:.2f}" for s in intervals])
+            assert intervals[0] < 0.5, intervals             # the first failure is replaced at once
+            assert 1.0 <= intervals[1] < 1.6, intervals     # then 1 s
+            assert 2.0 <= intervals[2] < 2.6, intervals     # then 2 s
+            assert dep.backoff.restarts == 3
+            await until(dep.ready_replicas, 60, "the third replacement")
+            ok = await gateway.post("/v1/completions", json=NORMAL)
+            assert ok.status_code == 200, ok.text
+            assert any("crash-loop backoff: 3 failures in a row; the next replica starts in 2.0 s" in e
+                       for e in dep.events), list(dep.events)
+        finally:
+            await gateway.aclose()
+            await plane.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), 240))
