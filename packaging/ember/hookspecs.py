@@ -106,6 +106,13 @@ def ember_preprocess_request(request: dict[str, Any], manifest: Manifest) -> dic
 
     Return a new request dict to replace it, or None to keep it. Implementations are chained:
     each sees the result of the one called before it.
+
+    Runs in the gateway, before KV-aware routing hashes the prompt, so routing sees the prompt the model
+    will see (a prepended system prompt keeps its requests on the replica that holds it). Once per
+    request, in a worker thread; the replica then skips it for requests from its gateway (authenticated
+    with the replica secret) and runs it for any other. Why not hash the rewritten prompt in the replica
+    instead: routing is decided before a replica sees the request, and running the chain twice would
+    count, log or randomize twice. A hook that raises fails the request with a 500 naming it.
     """
 
 

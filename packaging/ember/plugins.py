@@ -213,8 +213,11 @@ class PluginHost:
 
     def preprocess_request(self, request: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
         """Chain every ember_preprocess_request implementation (package hooks.py first)."""
-        for _, call in self._impls("ember_preprocess_request"):
+        for plugin_name, call in self._impls("ember_preprocess_request"):
             replaced = call(request=request, manifest=manifest)
+            if replaced is not None and not isinstance(replaced, dict):
+                raise PluginError(f"{self._describe(plugin_name)}: ember_preprocess_request returned a "
+                                  f"{type(replaced).__name__}; it must return a request dict or None")
             if replaced is not None:
                 request = replaced
         return request

@@ -259,6 +259,15 @@ def test_hook_ember_preprocess_request(use_plugins, make_package) -> None:
         "prompt": "hi", "max_tokens": 64}
 
 
+def test_a_preprocess_hook_that_returns_no_dict_is_named(make_package) -> None:
+    pkg = write_hooks(make_package(), "from ember import hookimpl\n\n@hookimpl\n"
+                      "def ember_preprocess_request(request, manifest):\n    return 'hi'\n")
+    manifest, host = load_package(pkg)
+    with pytest.raises(PluginError, match=r"^package hooks.py: ember_preprocess_request returned a str; it must "
+                                          r"return a request dict or None$"):
+        host.preprocess_request({"prompt": "hi"}, manifest)
+
+
 def test_hook_ember_postprocess_output(use_plugins, make_package) -> None:
     use_plugins("redact")
     pkg = write_hooks(make_package(), "from ember import hookimpl\n\n@hookimpl\n"

@@ -28,6 +28,7 @@ from ember_platform.control.plane import ControlPlane, NoReplicaAvailable
 from ember_platform.gateway.admission import Admission, Ticket
 from ember_platform.gateway.errors import ProtocolError, error_body
 from ember_platform.gateway.metrics import GatewayMetrics
+from ember_platform.gateway.preprocess import PREPROCESSED_HEADER, RequestPreprocessor, preprocessed_marker
 from ember_platform.gateway.responses import SSE_DONE, sse
 from ember_platform.gateway.upstream import upstream_transport
 from ember_platform.replica.auth import auth_headers
@@ -98,6 +99,7 @@ class Proxy:
         self.chooser = chooser or RoundRobin()
         self.admission = admission
         self.connect_timeout = connect_timeout
+        self.preprocessor = RequestPreprocessor()  # request hooks, before routing hashes the prompt
         # Streams hold their connection for as long as they run: no pool limit, the replicas queue themselves.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=POOL_KEEPALIVE_S)
         self.client = httpx.AsyncClient(transport=upstream_transport(limits), limits=limits)
@@ -106,6 +108,7 @@ class Proxy:
         if self.admission is not None:
             await self.admission.aclose()
         await self.client.aclose()
+        self.preprocessor.close()
 
     async def forward(self, name: str, path: str, body: bytes, *, request_id: str, endpoint: str,
                       received_at: float, receive: Callable, key: str | None = None) -> UpstreamResponse | None:
@@ -136,29 +139,38 @@ class Proxy:
     async def _admit_and_open(self, name: str, path: str, body: bytes, request_id: str, endpoint: str,
                               received_at: float, key: str | None) -> UpstreamResponse:
         """A place in NAME's admission gate, then the replica's response; the place goes back when the response ends
-        (the finisher), or here on every other way out (refused, failed, cancelled)."""
+        (the finisher), or here on every other way out (refused, failed, cancelled).
+
+        The request hooks run first (gateway/preprocess.py): a request they refuse takes no place in the gate."""
+        dep = self.plane.get(name)
+        bodies = {dep.active_version: await self.preprocessor.prepare(dep.active, body,
+                                                                      timeout=dep.request_timeout)}
         if self.admission is None:
-            return await self._open(name, path, body, request_id, endpoint, received_at, None)
-        ticket = await self.admission.gate(self.plane.get(name)).admit(key)
+            return await self._open(name, path, body, bodies, request_id, endpoint, received_at, None)
+        ticket = await self.admission.gate(dep).admit(key)
         try:
-            return await self._open(name, path, body, request_id, endpoint, received_at, ticket)
+            return await self._open(name, path, body, bodies, request_id, endpoint, received_at, ticket)
         except BaseException:
             ticket.release()
             raise
 
-    async def _open(self, name: str, path: str, body: bytes, request_id: str, endpoint: str,
-                    received_at: float, ticket: Ticket | None) -> UpstreamResponse:
+    async def _open(self, name: str, path: str, body: bytes, bodies: dict[str, bytes], request_id: str,
+                    endpoint: str, received_at: float, ticket: Ticket | None) -> UpstreamResponse:
+        """`body`: as the client sent it; `bodies`: after each version's request hooks (filled as needed)."""
         tried: set[str] = set()
         retry_after: float | None = None
         candidates = await self._candidates(name, admitted=ticket is not None)
         while True:
             dep = self.plane.get(name)
-            replica = await self.chooser.achoose(dep, candidates, body, request_id)
+            # Routing hashes the prompt the model will see: the active version's hooks rewrote it.
+            routed = await self._preprocessed(dep, dep.active_version, body, bodies)
+            replica = await self.chooser.achoose(dep, candidates, routed, request_id)
             tried.add(replica.id)
+            content, marker = await self._outgoing(dep, replica, body, bodies)
             request = self.client.build_request(
-                "POST", f"{replica.url}{path}", content=body,
+                "POST", f"{replica.url}{path}", content=content,
                 headers={"content-type": "application/json", "x-request-id": request_id,
-                         **auth_headers(replica.secret)},
+                         **auth_headers(replica.secret), **marker},
                 timeout=httpx.Timeout(dep.request_timeout, connect=self.connect_timeout))
             replica.in_flight += 1
             sent = time.monotonic()
@@ -208,6 +220,25 @@ class Proxy:
                 raise NoReplicaAvailable(
                     f"No replica of '{name}' can take the request now: the replicas tried are draining or "
                     f"unreachable. Please retry shortly.", retry_after=retry_after or DEFAULT_RETRY_AFTER_S)
+
+    async def _preprocessed(self, dep: Deployment, version: str, body: bytes, bodies: dict[str, bytes]) -> bytes:
+        """`body` after `version`'s request hooks, run once per request and version (versions change only in a
+        rollout, between two attempts)."""
+        if version not in bodies:
+            bodies[version] = await self.preprocessor.prepare(dep.versions[version], body,
+                                                              timeout=dep.request_timeout)
+        return bodies[version]
+
+    async def _outgoing(self, dep: Deployment, replica: Replica, body: bytes,
+                        bodies: dict[str, bytes]) -> tuple[bytes, dict[str, str]]:
+        """What goes to `replica`: the body its version's hooks rewrote, with the header that says they ran, to a
+        replica that requires the secret (it trusts the header only then); the client's body to any other, which
+        runs the hooks itself."""
+        version = dep.versions.get(replica.version)
+        if replica.secret is None or version is None:
+            return body, {}
+        content = await self._preprocessed(dep, replica.version, body, bodies)
+        return content, {PREPROCESSED_HEADER: preprocessed_marker(version.manifest, version.digest)}
 
     async def _send(self, request: httpx.Request, name: str) -> httpx.Response:
         try:

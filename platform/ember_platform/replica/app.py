@@ -36,6 +36,7 @@ from ember_platform.gateway.errors import (
     invalid_request,
     service_unavailable,
 )
+from ember_platform.gateway.preprocess import PREPROCESSED_HEADER, preprocessed_marker
 from ember_platform.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -339,16 +340,23 @@ class AdmissionMiddleware:
             self.replica.num_in_flight -= 1
 
 
-async def _read_body(request: Request, replica: Replica) -> dict[str, Any] | bytes:
+async def _read_body(request: Request, replica: Replica, *, authenticated: bool) -> dict[str, Any] | bytes:
     """The JSON object the client sent, after the package's preprocess hooks; raw bytes if it is not an object
-    (the protocol layer then says what is wrong with it)."""
+    (the protocol layer then says what is wrong with it).
+
+    The gateway runs the hooks before it routes (gateway/preprocess.py) and says so in `PREPROCESSED_HEADER`; that
+    is believed only on a request that carried this replica's secret (`authenticated`: only a gateway has it) and
+    names this package version, so a client calling a replica directly cannot skip them."""
     raw = await read_body(request, max_body_bytes())  # 413 as an OpenAI error object
     data = request_body.loads(raw) if raw else None  # a nesting limit first: never a RecursionError
     check_text(data, raw)  # lone surrogates: a 400 naming the field, before any hook or tokenizer sees them
     if not isinstance(data, dict):
         return raw
     assert replica.engine is not None
-    return replica.engine.plugins.preprocess_request(data, replica.manifest)
+    if authenticated and request.headers.get(PREPROCESSED_HEADER) == preprocessed_marker(replica.manifest,
+                                                                                         replica.digest):
+        return data
+    return await asyncio.to_thread(replica.engine.plugins.preprocess_request, data, replica.manifest)
 
 
 def _adapter(replica: Replica, body: GenerationRequest) -> str | None:
@@ -559,7 +567,7 @@ def create_app(replica: Replica, *, secret: str | None = None) -> Starlette:
     """
 
     async def chat_completions(request: Request) -> Response:
-        data = await _read_body(request, replica)
+        data = await _read_body(request, replica, authenticated=secret is not None)
         body = parse_chat_request(data)
         adapter = _adapter(replica, body)
         prompt = _chat_prompt_ids(replica, body)
@@ -576,7 +584,7 @@ def create_app(replica: Replica, *, secret: str | None = None) -> Starlette:
                                                 logprobs=body.wants_logprobs, completion_id=response_id))
 
     async def completions(request: Request) -> Response:
-        data = await _read_body(request, replica)
+        data = await _read_body(request, replica, authenticated=secret is not None)
         body = parse_completion_request(data)
         adapter = _adapter(replica, body)
         prompts = _prompt_ids(replica, body)

@@ -4,11 +4,13 @@ as a request goes out costs a retry on a fresh connection, not a 503."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from ember.manifest import parse_manifest
 from ember_platform.control.deployments import Replica, ReplicaState
 from ember_platform.control.launcher import ReplicaHandle
 from ember_platform.control.plane import NoReplicaAvailable
@@ -60,7 +62,11 @@ class OneReplicaPlane:
 
     def __init__(self, url: str) -> None:
         self.replica = Replica(version="1", state=ReplicaState.READY, handle=ReplicaHandle(url=url))
-        self.deployment = SimpleNamespace(name="m", request_timeout=10.0, ready_replicas=lambda: [self.replica])
+        # A version without a hooks.py: its request hooks (the installed plugins') leave the body as it is.
+        version = SimpleNamespace(version="1", package_dir=Path(__file__).parent, digest=None,
+                                  manifest=parse_manifest({"model": {"name": "m", "version": "1"}}))
+        self.deployment = SimpleNamespace(name="m", request_timeout=10.0, ready_replicas=lambda: [self.replica],
+                                          active_version="1", active=version, versions={"1": version})
         self.unreachable: list[str] = []
 
     async def acquire(self, name: str) -> list[Replica]:
