@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -179,6 +179,34 @@ def assert_redacted(pieces: list[str], answers: int) -> None:
     # filter releases text as soon as it is safe, for every way of cutting it, is test_hook_ember_postprocess_stream's.
 
 
+def serve_hooked_mailer(mailer: Path, dest: Path, hooks: str,
+                        check: Callable[[httpx.AsyncClient], Awaitable[None]]) -> None:
+    """Runs `check` against an in-process replica of the mailer package with `hooks` as its hooks.py."""
+    import torch
+
+    from ember_platform.replica import Replica, create_app
+
+    dest.mkdir()
+    shutil.copy(mailer / "ember.toml", dest / "ember.toml")
+    (dest / "weights").symlink_to(mailer / "weights")
+    (dest / "hooks.py").write_text(hooks)
+    replica = Replica(dest)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    async def main() -> None:
+        await asyncio.to_thread(replica.load)
+        transport = httpx.ASGITransport(app=create_app(replica))
+        async with httpx.AsyncClient(transport=transport, base_url="http://replica", timeout=60) as http:
+            await check(http)
+
+    try:
+        asyncio.run(main())
+    finally:
+        replica.close()
+        torch.set_num_threads(threads)
+
+
 # --- a real replica ----------------------------------------------------------------------------------------------
 
 
@@ -263,44 +291,24 @@ def ember_postprocess_output(output, request, manifest):
 
 def test_a_whole_output_hook_holds_the_stream_back_and_its_finish_reason_ends_it(mailer: Path,
                                                                                  tmp_path: Path) -> None:
-    import torch
+    async def check(http: httpx.AsyncClient) -> None:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12,
+                "stream": True, "stream_options": {"include_usage": True}}
+        events = []
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line.removeprefix("data: ")))
+        deltas = [e["choices"][0]["delta"].get("content") for e in events if e["choices"]]
+        assert deltas == ["", "[withheld]", None]  # role chunk, the rewrite, the finish chunk
+        assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "content_filter"
+        assert events[-1]["usage"]["completion_tokens"] == 12
+        whole = (await http.post("/v1/chat/completions", json={**body, "stream": False,
+                                                                 "stream_options": None})).json()
+        assert whole["choices"][0]["message"]["content"] == "[withheld]"
+        assert whole["choices"][0]["finish_reason"] == "content_filter"
 
-    from ember_platform.replica import Replica, create_app
-
-    package = tmp_path / "hooked"
-    package.mkdir()
-    shutil.copy(mailer / "ember.toml", package / "ember.toml")
-    (package / "weights").symlink_to(mailer / "weights")
-    (package / "hooks.py").write_text(WHOLE_OUTPUT_HOOKS)
-    replica = Replica(package)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-
-    async def main() -> None:
-        await asyncio.to_thread(replica.load)
-        transport = httpx.ASGITransport(app=create_app(replica))
-        async with httpx.AsyncClient(transport=transport, base_url="http://replica", timeout=60) as http:
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12,
-                    "stream": True, "stream_options": {"include_usage": True}}
-            events = []
-            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-                async for line in response.aiter_lines():
-                    if line.startswith("data: {"):
-                        events.append(json.loads(line.removeprefix("data: ")))
-            deltas = [e["choices"][0]["delta"].get("content") for e in events if e["choices"]]
-            assert deltas == ["", "[withheld]", None]  # role chunk, the rewrite, the finish chunk
-            assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "content_filter"
-            assert events[-1]["usage"]["completion_tokens"] == 12
-            whole = (await http.post("/v1/chat/completions", json={**body, "stream": False,
-                                                                     "stream_options": None})).json()
-            assert whole["choices"][0]["message"]["content"] == "[withheld]"
-            assert whole["choices"][0]["finish_reason"] == "content_filter"
-
-    try:
-        asyncio.run(main())
-    finally:
-        replica.close()
-        torch.set_num_threads(threads)
+    serve_hooked_mailer(mailer, tmp_path / "hooked", WHOLE_OUTPUT_HOOKS, check)
 
 
 FAILING_FILTER_HOOKS = '''
@@ -325,46 +333,25 @@ def ember_postprocess_stream(request, manifest):
 
 def test_a_failing_output_hook_is_an_openai_error_naming_the_hook_not_the_exception(mailer: Path,
                                                                                    tmp_path: Path) -> None:
-    import torch
-
-    from ember_platform.replica import Replica, create_app
-
-    package = tmp_path / "failing"
-    package.mkdir()
-    shutil.copy(mailer / "ember.toml", package / "ember.toml")
-    (package / "weights").symlink_to(mailer / "weights")
-    (package / "hooks.py").write_text(FAILING_FILTER_HOOKS)
-    replica = Replica(package)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-
     def assert_clean(error: dict) -> None:
         assert set(error) == {"message", "type", "param", "code"} and error["type"] == "server_error", error
         assert "package hooks.py" in error["message"], error
         assert not any(name in error["message"] for name in ("ZeroDivisionError", "LookupError", "Traceback"))
 
-    async def main() -> None:
-        await asyncio.to_thread(replica.load)
-        transport = httpx.ASGITransport(app=create_app(replica))
-        async with httpx.AsyncClient(transport=transport, base_url="http://replica", timeout=60) as http:
-            body = {"model": MODEL, "prompt": "Hi", "max_tokens": 12}
-            lines = []
-            async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
-                assert response.status_code == 200
-                lines = [line async for line in response.aiter_lines() if line]
-            assert lines[-1] == "data: [DONE]" and not any("bob" in line for line in lines)
-            assert_clean(json.loads(lines[-2].removeprefix("data: "))["error"])  # the error event, then [DONE]
-            whole = await http.post("/v1/completions", json=body)
-            assert whole.status_code == 500
-            assert_clean(whole.json()["error"])
-            refused = await http.post("/v1/completions", json={**body, "stream": True, "user": "broken-hook"})
-            assert refused.status_code == 500
-            assert_clean(refused.json()["error"])
-            # the replica serves on
-            assert (await http.post("/v1/completions", json={**body, "max_tokens": 2})).status_code == 200
+    async def check(http: httpx.AsyncClient) -> None:
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 12}
+        async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            assert response.status_code == 200
+            lines = [line async for line in response.aiter_lines() if line]
+        assert lines[-1] == "data: [DONE]" and not any("bob" in line for line in lines)
+        assert_clean(json.loads(lines[-2].removeprefix("data: "))["error"])  # the error event, then [DONE]
+        whole = await http.post("/v1/completions", json=body)
+        assert whole.status_code == 500
+        assert_clean(whole.json()["error"])
+        refused = await http.post("/v1/completions", json={**body, "stream": True, "user": "broken-hook"})
+        assert refused.status_code == 500
+        assert_clean(refused.json()["error"])
+        # the replica serves on
+        assert (await http.post("/v1/completions", json={**body, "max_tokens": 2})).status_code == 200
 
-    try:
-        asyncio.run(main())
-    finally:
-        replica.close()
-        torch.set_num_threads(threads)
+    serve_hooked_mailer(mailer, tmp_path / "failing", FAILING_FILTER_HOOKS, check)
