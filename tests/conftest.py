@@ -95,7 +95,8 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 def readme_plugin_sources() -> dict[str, str]:
-    """The files of the plugin in README.md's "Write a plugin" section, by their `# file:` line."""
+    """The files of the plugins in README.md's "Write a plugin" section, by their `# file:` line: a bare name
+    belongs to the redaction plugin, "DIST/NAME" to the distribution in folder DIST (e.g. ember-silu-count)."""
     import re
 
     readme = (REPO_ROOT / "README.md").read_text()
@@ -124,15 +125,18 @@ def pip_install_target(source: Path, target: Path) -> None:
 def plugin_dists(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Site directories, each holding one installed test plugin distribution.
 
-    "redact" is built from README.md's plugin source, so the README's example is what is tested.
+    "redact" and every other README distribution ("ember-silu-count" -> "silu-count") are built from README.md's
+    plugin sources, so the README's examples are what is tested.
     """
     root = tmp_path_factory.mktemp("plugin-dists")
-    readme_src = root / "src" / "ember-redact"
-    readme_src.mkdir(parents=True)
+    sources = {"techniques": FIXTURES / "ember-test-techniques", "broken": FIXTURES / "ember-broken-plugin"}
     for name, text in readme_plugin_sources().items():
-        (readme_src / name).write_text(text)
-    sources = {"redact": readme_src, "techniques": FIXTURES / "ember-test-techniques",
-               "broken": FIXTURES / "ember-broken-plugin"}
+        dist, _, file_name = name.rpartition("/")
+        dist = dist or "ember-redact"
+        readme_src = root / "src" / dist
+        readme_src.mkdir(parents=True, exist_ok=True)
+        (readme_src / file_name).write_text(text)
+        sources[dist.removeprefix("ember-")] = readme_src
     sites = {}
     for key, source in sources.items():
         sites[key] = root / f"site-{key}"

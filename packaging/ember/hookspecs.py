@@ -22,6 +22,7 @@ from ember.hooks import hookspec
 
 if TYPE_CHECKING:
     from ember.hardware import Hardware
+    from ember.kernel_ops import RegisterKernelOp
     from ember.manifest import Manifest
     from ember.postprocess import OutputFilter
     from ember.selection import Selection
@@ -62,6 +63,17 @@ def ember_routing_scorers(register: Register) -> None:
 
     `impl` is a class built with the scorer's options from the routing configuration as keyword arguments; its
     `score(request, replicas)` returns one `Score` per replica (`ember_platform.routing.scoring`).
+    """
+
+
+@hookspec
+def ember_kernel_ops(register: RegisterKernelOp) -> None:
+    """Register implementations of the small ops model code calls: "rms_norm", "silu_and_mul", "rotary",
+    "write_kv", "linear" (`ember.kernel_ops` has each op's signature).
+
+    `register(op, impl, *, summary="", priority=0)`: unlike the techniques above, several plugins may implement
+    one op. An engine tries them per call in descending priority, then the plain-torch reference; an impl declines
+    an input it does not take by returning None (or NotImplemented, or False). An unknown op name is an error.
     """
 
 

@@ -27,6 +27,7 @@ from ember import hookspecs
 from ember.errors import PluginError
 from ember.hardware import Hardware, detect_hardware
 from ember.hooks import NAME, hookimpl
+from ember.kernel_ops import REGISTER_HOOK, KernelOpRegistry, collect_kernel_ops
 from ember.manifest import AUTO, NONE, Manifest, load_manifest
 from ember.postprocess import FilterStage, OutputHookError, OutputPipeline, WholeOutputStage
 from ember.selection import Selection, SelectionReport
@@ -61,6 +62,7 @@ class PluginHost:
         self.disabled = set(disabled) if disabled is not None else disabled_from_env()
         self._origins: dict[str, tuple[str, str | None, str | None]] = {}
         self._registry: TechniqueRegistry | None = None
+        self._kernel_ops: KernelOpRegistry | None = None
         self._hardware: dict[str, Hardware] = {}
         self.register(_ManifestChoice(self), MANIFEST_PLUGIN, source="built into ember")
         if entry_points:
@@ -108,6 +110,7 @@ class PluginHost:
             raise PluginError(f"plugin '{name}': {e}") from None
         self._origins[name] = (source, distribution, version)
         self._registry = None
+        self._kernel_ops = None
 
     def check_pending(self) -> None:
         """A hook implementation whose name is no hook spec is an error (a typo, most likely)."""
@@ -147,11 +150,19 @@ class PluginHost:
             self._registry = registry
         return self._registry
 
+    @property
+    def kernel_ops(self) -> KernelOpRegistry:
+        """Every kernel-op impl the registered plugins offer (`ember_kernel_ops`; collected once, then cached)."""
+        if self._kernel_ops is None:
+            self._kernel_ops = collect_kernel_ops(self._impls(REGISTER_HOOK))
+        return self._kernel_ops
+
     def plugins(self) -> list[PluginInfo]:
         infos = []
         for name, _plugin in self.pm.list_name_plugin():
             source, dist, version = self._origins.get(name, ("registered in code", None, None))
-            infos.append(PluginInfo(name, source, dist, version, tuple(self.techniques.by_plugin(name))))
+            techniques = [*self.techniques.by_plugin(name), *(i.technique() for i in self.kernel_ops.by_plugin(name))]
+            infos.append(PluginInfo(name, source, dist, version, tuple(techniques)))
         return sorted(infos, key=lambda p: (p.name != MANIFEST_PLUGIN, p.name))
 
     def hardware(self, manifest: Manifest | None = None) -> Hardware:

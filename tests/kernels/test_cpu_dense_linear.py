@@ -1,6 +1,7 @@
 """The native small-batch dense linear against F.linear in float64: every shape (tails of K and N, tile
 edges), with and without bias, float32 and bfloat16 weights; a row's result bit-identical whatever rows
-are computed with it; and the model's Linear using it where it should."""
+are computed with it. (The model's Linear using it through the kernel-op table:
+tests/plugins/test_kernels_plugin.py.)"""
 
 from __future__ import annotations
 
@@ -85,27 +86,3 @@ def test_mismatched_shapes_are_refused() -> None:
         dense_linear(x, weight.double(), bias)
     with pytest.raises(ValueError, match="contiguous float32 or bfloat16"):
         dense_linear(x, weight.t().contiguous().t(), bias)
-
-
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 40])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_model_linear_uses_it_for_few_rows(rows: int, with_bias: bool) -> None:
-    from ember_platform.engine.models.layers import NATIVE_LINEAR_MAX_ROWS, Linear
-
-    layer = Linear(48, 24, bias=with_bias).to_empty(device="cpu")
-    x, weight, bias = operands(rows, 24, 48)
-    layer.weight.data.copy_(weight)
-    if with_bias:
-        layer.bias.data.copy_(bias)
-    b = bias if with_bias else None
-    with torch.inference_mode():
-        out = layer(x.view(1, rows, 48))
-    assert out.shape == (1, rows, 24)
-    if rows <= NATIVE_LINEAR_MAX_ROWS:
-        assert torch.equal(out.view(rows, 24), dense_linear(x, weight, b))
-    else:
-        assert torch.equal(out, F.linear(x, weight, b).view(1, rows, 24))
-    # autograd still works (F.linear when a gradient is wanted)
-    xg = x[:1].clone().requires_grad_(True)
-    layer(xg).sum().backward()
-    torch.testing.assert_close(xg.grad, weight.sum(0, keepdim=True))

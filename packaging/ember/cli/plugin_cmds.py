@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("explain", help="show which technique of each kind would run a package, and why",
                        description="Load a package's manifest and hooks.py (not its weights), detect this "
                        "machine's hardware, and print per technique kind what was selected and why: the "
-                       "manifest's value, a hook in a plugin or in the package, or an auto rule.")
+                       "manifest's value, a hook in a plugin or in the package, or an auto rule; then per kernel "
+                       "op the implementations an engine tries, in order.")
     p.add_argument("dir", type=Path, metavar="DIR", help="package directory")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_explain)
@@ -69,7 +70,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"package": manifest.reference, "hardware": hardware.describe(),
                           "selections": {k: r.as_dict() for k, r in reports.items()},
-                          "problems": problems}, indent=2))
+                          "kernel_ops": host.kernel_ops.describe(), "problems": problems}, indent=2))
         return 0
     console.print(f"[bold]{manifest.reference}[/] on {hardware.describe()}")
     table = Table()
@@ -81,4 +82,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     for kind, problem in problems.items():
         table.add_row(kind, "[red]none[/]", "—", "—", f"[red]{problem}[/]")
     console.print(table)
+    ops = Table(title="kernel ops (first that takes the inputs runs)")
+    for column in ("op", "tried in order"):
+        ops.add_column(column)
+    for op, order in host.kernel_ops.describe().items():
+        ops.add_row(op, order)
+    console.print(ops)
     return 0

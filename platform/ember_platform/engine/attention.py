@@ -23,8 +23,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ember_platform.engine.native import write_kv as native_write_kv
-
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -37,13 +35,11 @@ def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
              scratch: dict[str, Any] | None = None) -> None:
     """Store new keys and values k, v ([T, Hkv, D]) at their slots (block_id * block_size + offset).
 
-    On the CPU a native copy does it when k/v are in the caches' dtype (k and v may then be strided
-    slices of a fused qkv output). Else `scratch`, the step's `AttentionMetadata.scratch`, lets the torch
-    path compute the cache rows once per step rather than once per layer.
+    The torch reference of the `write_kv` kernel op: backends call `ops.write_kv`, which runs a plugin's
+    copy where one takes the inputs, else this. `scratch`, the step's `AttentionMetadata.scratch`, lets it
+    compute the cache rows once per step rather than once per layer.
     """
     k_cache, v_cache = kv_cache
-    if (native := native_write_kv()) is not None and native(k_cache, v_cache, k, v, slot_mapping):
-        return
     _, num_kv_heads, block_size, head_dim = k_cache.shape
     key = f"write_kv:{num_kv_heads}:{block_size}"
     rows = None if scratch is None else scratch.get(key)
@@ -133,9 +129,11 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     """Paged attention for one layer configuration.
 
-    Implementations are constructed by the model as `Backend(sliding_window=None | int)`, one per
-    distinct attention configuration (a sliding window of W lets a query at position p see
-    positions p - W + 1 .. p, as in Mistral).
+    Implementations are constructed by the model as `Backend(sliding_window=None | int, ops=KernelOps)`,
+    one per distinct attention configuration (a sliding window of W lets a query at position p see
+    positions p - W + 1 .. p, as in Mistral). `ops` is the engine's kernel-op table, the one the model's
+    layers call: a backend stores a step's K/V with `ops.write_kv(kv_cache, k, v, meta.slot_mapping,
+    meta.scratch)` (or its own kernel for a layout of its own).
     """
 
     name: str

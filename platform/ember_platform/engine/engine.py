@@ -25,6 +25,7 @@ from ember.plugins import PluginHost
 from ember.selection import SelectionReport
 from ember_platform.engine.config import ModelSource, read_hf_config, resolve_source
 from ember_platform.engine.host_memory import release_pages
+from ember_platform.engine.kernel_ops import KernelOps
 from ember_platform.engine.kv_cache_manager import KVCacheManager
 from ember_platform.engine.lora import check_adapter_name
 from ember_platform.engine.lora_layer import lora_layouts
@@ -93,7 +94,9 @@ class LLMEngine:
                                    native_bf16=bool(self.hardware.cpu_features & NATIVE_BF16_CPU_FEATURES))
 
         attention = self._technique("attention")
-        self.model = build_model(self.hf_config, attention, self.dtype, self.device)
+        # The kernel-op table (ember_kernel_ops): resolved once here, given to every layer and attention backend.
+        self.kernel_ops = KernelOps.from_plugins(self.plugins)
+        self.model = build_model(self.hf_config, attention, self.dtype, self.device, ops=self.kernel_ops)
         # Read before quantizing: a quantizer's modules need not say how their outputs are packed.
         layouts = lora_layouts(self.model, getattr(self.model, "lora_module_names", ()))
         self._checkpoint_target = self.model.checkpoint_target
@@ -180,7 +183,8 @@ class LLMEngine:
                 self.quantized_from_cache = True
                 return restored
             if state is not None:  # restore refused the entry: start from a clean model
-                self.model = build_model(self.hf_config, self._technique("attention"), self.dtype, self.device)
+                self.model = build_model(self.hf_config, self._technique("attention"), self.dtype, self.device,
+                                         ops=self.kernel_ops)
         load_weights(self.model, source.weights_dir)
         self.timings["load"] = time.perf_counter() - t0
         t1 = time.perf_counter()

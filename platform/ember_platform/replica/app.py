@@ -208,6 +208,7 @@ class Replica:
             "state": self.status(),
             "error": self.failure,
             "selections": {kind: report.as_dict() for kind, report in engine.selections.items()} if engine else {},
+            "kernel_ops": engine.kernel_ops.describe() if engine else {},  # per op: the impls tried, in order
             "timings": dict(self.timings),
             "stats": engine.stats() if engine else None,
             "max_model_len": engine.max_model_len if engine else None,

@@ -13,8 +13,9 @@ On CPU the short path runs a native kernel instead when one could be built
 (`ember_kernels.cpu.paged_attention`: it reads the blocks in place, where torch ops must gather
 them first); the torch path is the portable fallback and the reference the kernel is tested against.
 
-Cache layout (see `ember_platform.engine.attention`): `[num_blocks, num_kv_heads, block_size,
-head_dim]`, so a gathered block is already head-major and scores need no transposing copy.
+Cache layout (see `ember_platform.api.AttentionMetadata`): `[num_blocks, num_kv_heads, block_size,
+head_dim]`, so a gathered block is already head-major and scores need no transposing copy. New K/V are
+stored with the engine's kernel-op table (`ops.write_kv`), the one the model was built with.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ember_kernels.cpu import paged_attention, paged_attention_available
-from ember_platform.engine.attention import AttentionMetadata, KVCache, write_kv
+from ember_platform.api import AttentionMetadata, KernelOps, KVCache
 
 
 @dataclass(slots=True)
@@ -74,19 +75,21 @@ class TorchPagedAttention:
     `max_batched_query_len`: requests with at most this many query tokens take the batched
     path; longer ones use SDPA. `chunk_elements` bounds the K (or V) elements the torch path
     gathers at once. `native`: use the native CPU kernel for the short path (None: whenever it is
-    available for the cache's dtype on CPU; False: always the torch path).
+    available for the cache's dtype on CPU; False: always the torch path). `ops`: the engine's kernel-op table,
+    given by the model (None: `KernelOps.reference()`, plain torch).
     """
 
     name = "torch"
 
     def __init__(self, *, sliding_window: int | None = None, max_batched_query_len: int = 8,
-                 chunk_elements: int = 1 << 24, native: bool | None = None) -> None:
+                 chunk_elements: int = 1 << 24, native: bool | None = None, ops: KernelOps | None = None) -> None:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
         self.sliding_window = sliding_window
         self.max_batched_query_len = max_batched_query_len
         self.chunk_elements = chunk_elements
         self.native = native
+        self.ops = ops if ops is not None else KernelOps.reference()
 
     def __repr__(self) -> str:
         return f"TorchPagedAttention(sliding_window={self.sliding_window})"
@@ -98,7 +101,7 @@ class TorchPagedAttention:
         num_kv_heads, block_size = kv_cache[0].shape[1], kv_cache[0].shape[2]
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
-        write_kv(kv_cache, k, v, meta.slot_mapping, meta.scratch)
+        self.ops.write_kv(kv_cache, k, v, meta.slot_mapping, meta.scratch)
 
         plan = self._plan(meta, block_size, q.device, kv_cache[0].dtype)
         short = plan.short

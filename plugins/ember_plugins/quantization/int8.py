@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember_kernels.cpu.int8_linear import int8_linear, int8_linear_available
-from ember_platform.engine.quantization import Quantizer, linear_layers
+from ember_platform.api import Quantizer, linear_layers
 
 KERNELS = ("auto", "native", "fbgemm", "int8pack")
 # Rows above which int8pack loses to a dense GEMM on the dequantized weights; native and fbgemm

@@ -20,8 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from ember_platform.routing import KV_TIERS, ReplicaView
-from ember_platform.routing.scoring import RouteRequest, Score
+from ember_platform.api import KV_TIERS, ReplicaView, RouteRequest, Score
 
 # A fetch's price as a fraction of recomputing the block, until the replica has measured both (bench_kv_tiers on
 # a 2-core CPU: 24x, 17x and 8.4x faster than recomputing; rounded towards caution).

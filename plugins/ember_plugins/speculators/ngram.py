@@ -16,8 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ember_platform.engine.request import Request
-from ember_platform.engine.speculation import Proposal, Speculator, SpeculatorContext
+from ember_platform.api import Proposal, Request, Speculator, SpeculatorContext
 
 
 @dataclass(slots=True)

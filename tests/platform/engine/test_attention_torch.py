@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from ember.plugins import PluginHost
 from ember_kernels.cpu import native_library_error, paged_attention_available
-from ember_platform.engine import attention
-from ember_platform.engine.attention import AttentionBackend, AttentionMetadata, kv_cache_block_shape, write_kv
+from ember_platform.engine.attention import AttentionBackend, AttentionMetadata, kv_cache_block_shape
+from ember_platform.engine.kernel_ops import KernelOps
 from ember_plugins.attention.torch_paged import TorchPagedAttention
 
 BLOCK_SIZE = 4
@@ -208,7 +209,7 @@ def test_bfloat16_accumulates_in_float32(case: str, native: bool) -> None:
 
 def test_layers_share_the_step_plan() -> None:
     step = make_step(*CASES["mixed"])
-    backend = TorchPagedAttention()
+    backend = TorchPagedAttention(ops=KernelOps.from_plugins(PluginHost()))  # the engine's table
     scale = HEAD_DIM**-0.5
     first = backend.forward(step.q, step.k, step.v, step.kv_cache, step.meta, scale)
     made = dict(step.meta.scratch)  # the plan, and write_kv's cache rows where it has no native copy
@@ -221,12 +222,16 @@ def test_layers_share_the_step_plan() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("native", [True, False])
-def test_write_kv_stores_strided_slices_at_their_slots(dtype: torch.dtype, native: bool,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_write_kv_stores_strided_slices_at_their_slots(dtype: torch.dtype, native: bool) -> None:
     if native and not paged_attention_available(torch.float32):
         pytest.skip(f"native CPU kernels unavailable: {native_library_error()}")
-    if not native:  # the torch path, as on a machine without a compiler
-        monkeypatch.setattr(attention, "native_write_kv", lambda: None)
+    # The engine's table (the kernels plugin's copy first), or the torch reference, as on a machine without a compiler.
+    ops = KernelOps.from_plugins(PluginHost()) if native else KernelOps.reference()
+    assert ops.describe()["write_kv"] == ("kernels-cpu:write_kv > torch" if native else "torch")
+
+    def store(*args: object) -> None:
+        assert ops.write_kv(*args) is True
+
     num_kv_heads, head_dim, num_blocks = 2, 8, 6
     shape = (num_blocks, *kv_cache_block_shape(BLOCK_SIZE, num_kv_heads, head_dim))
     k_cache, v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
@@ -234,14 +239,14 @@ def test_write_kv_stores_strided_slices_at_their_slots(dtype: torch.dtype, nativ
     width = num_kv_heads * head_dim  # k and v are column slices of a fused projection, as models pass them
     k, v = qkv[:, width:2 * width].view(5, num_kv_heads, head_dim), qkv[:, 2 * width:].view(5, num_kv_heads, head_dim)
     slots = [3, 9, 10, 22, 0]
-    write_kv((k_cache, v_cache), k, v, torch.tensor(slots), {})
+    store((k_cache, v_cache), k, v, torch.tensor(slots), {})
     expected_k, expected_v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
     for t, slot in enumerate(slots):
         expected_k[slot // BLOCK_SIZE, :, slot % BLOCK_SIZE] = k[t]
         expected_v[slot // BLOCK_SIZE, :, slot % BLOCK_SIZE] = v[t]
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
     with pytest.raises(IndexError):
-        write_kv((k_cache, v_cache), k[:2], v[:2], torch.tensor([1, num_blocks * BLOCK_SIZE]), {})
+        store((k_cache, v_cache), k[:2], v[:2], torch.tensor([1, num_blocks * BLOCK_SIZE]), {})
     if native:  # the native copy checks every slot before writing any (index_copy_ may stop half-way)
         assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 

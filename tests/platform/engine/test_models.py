@@ -8,6 +8,8 @@ with shuffled block ids, a batched prefill with a chunked second request, then d
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,8 +21,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from ember_platform.engine import native  # noqa: E402
+from ember.plugins import PluginHost  # noqa: E402
 from ember_platform.engine.attention import AttentionMetadata, kv_cache_block_shape  # noqa: E402
+from ember_platform.engine.kernel_ops import KernelOps  # noqa: E402
 from ember_platform.engine.models import build_model, load_model, load_weights  # noqa: E402
 from ember_platform.engine.models.loader import checkpoint_files  # noqa: E402
 from ember_plugins.attention.torch_paged import TorchPagedAttention  # noqa: E402
@@ -55,6 +58,12 @@ def _configs() -> dict[str, Callable[[], Any]]:
 CONFIGS = _configs()
 
 
+@functools.cache
+def engine_ops() -> KernelOps:
+    """The kernel-op table an engine builds from the installed plugins (the native CPU kernels where they build)."""
+    return KernelOps.from_plugins(PluginHost())
+
+
 @dataclass
 class Family:
     name: str
@@ -71,7 +80,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     reference.generation_config.eos_token_id = None
     checkpoint = tmp_path_factory.mktemp(request.param)
     reference.save_pretrained(checkpoint)
-    model = load_model(checkpoint, TorchPagedAttention, dtype=torch.float32)
+    model = load_model(checkpoint, TorchPagedAttention, dtype=torch.float32, ops=engine_ops())
     return Family(request.param, checkpoint, reference, model)
 
 
@@ -99,7 +108,7 @@ def test_prefill_logits_match_transformers(family: Family) -> None:
 
 def test_bfloat16_prefill_logits_close_to_transformers(family: Family) -> None:
     ids = prompts()[0]
-    model = load_model(family.checkpoint, TorchPagedAttention, dtype=torch.bfloat16)
+    model = load_model(family.checkpoint, TorchPagedAttention, dtype=torch.bfloat16, ops=engine_ops())
     reference = copy.deepcopy(family.reference).to(torch.bfloat16)
     meta = AttentionMetadata.build([len(ids)], [len(ids)], [[9, 3, 17, 0, 30]], BLOCK_SIZE)
     with torch.inference_mode():
@@ -160,14 +169,17 @@ def test_greedy_generation_matches_transformers(family: Family) -> None:
         assert generated == expected[0, len(prompt):].tolist()
 
 
-def test_torch_paths_without_native_kernels_match_transformers_too(family: Family,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    # Without a C compiler (or with EMBER_NATIVE_KERNELS=0) RMSNorm, rotary, SiLU-and-mul, the small-batch
-    # linear and the KV write run as torch ops: the same checks must hold on that path.
-    monkeypatch.setattr(native, "_loaded", {"fused_ops": None, "dense_linear": None, "write_kv": None})
-    assert native.fused_ops() is None and native.dense_linear() is None and native.write_kv() is None
-    test_prefill_logits_match_transformers(family)
-    test_greedy_generation_matches_transformers(family)
+def test_torch_paths_without_native_kernels_match_transformers_too(family: Family) -> None:
+    # Without a kernel plugin (no C compiler, EMBER_NATIVE_KERNELS=0) RMSNorm, rotary, SiLU-and-mul, the
+    # small-batch linear and the KV write run as the table's torch references: the same checks must hold there.
+    ops = KernelOps.reference()
+    assert set(ops.describe().values()) == {"torch"}
+    model = load_model(family.checkpoint, TorchPagedAttention, dtype=torch.float32, ops=ops)
+    assert model.ops is ops and all(backend.ops is ops for backend in {layer.self_attn.attn
+                                                                       for layer in model.model.layers})
+    torch_family = dataclasses.replace(family, model=model)
+    test_prefill_logits_match_transformers(torch_family)
+    test_greedy_generation_matches_transformers(torch_family)
 
 
 def test_built_on_meta_until_loaded(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Model code for Hugging Face checkpoints: the architecture registry, `build_model` and `load_model`.
 
-    model = build_model(checkpoint_dir, TorchPagedAttention, torch.bfloat16, "cuda")  # on meta
+    model = build_model(checkpoint_dir, TorchPagedAttention, torch.bfloat16, "cuda", ops=ops)  # on meta
     load_weights(model, checkpoint_dir)                                              # mmap + copy
     hidden = model(input_ids, positions, meta, kv_caches)                            # [T, D]
     logits = model.compute_logits(hidden[last_token_rows])                           # [N, V] float32
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ember_platform.engine.attention import AttentionBackendFactory
+from ember_platform.engine.kernel_ops import KernelOps
 from ember_platform.engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from ember_platform.engine.models.loader import LoadedWeights, load_weights
 from ember_platform.engine.models.mixtral import MixtralForCausalLM
@@ -68,22 +69,26 @@ def config_dtype(config: Mapping[str, Any]) -> torch.dtype:
 
 
 def build_model(config: Mapping[str, Any] | str | Path, attn_backend: AttentionBackendFactory,
-                dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> CausalLM:
+                dtype: torch.dtype | None = None, device: torch.device | str = "cpu", *,
+                ops: KernelOps | None = None) -> CausalLM:
     """Construct the model for `config` on the meta device (no memory); `load_weights` fills it.
 
     `attn_backend` is an attention backend class (or factory), called once per distinct attention
-    configuration as `attn_backend(sliding_window=None | int)`. `dtype` defaults to the config's.
+    configuration as `attn_backend(sliding_window=None | int, ops=ops)`. `dtype` defaults to the config's.
+    `ops` is the kernel-op table every layer calls (an engine's is `KernelOps.from_plugins(its plugins)`);
+    None: `KernelOps.reference()`, plain torch.
     """
     cfg = read_config(config)
     cls = model_class(cfg)
     with torch.device("meta"):
-        model = cls(cfg, attn_backend, dtype=dtype or config_dtype(cfg), device=device)
+        model = cls(cfg, attn_backend, dtype=dtype or config_dtype(cfg), device=device,
+                    ops=ops if ops is not None else KernelOps.reference())
     return model.eval()
 
 
 def load_model(checkpoint_dir: str | Path, attn_backend: AttentionBackendFactory, dtype: torch.dtype | None = None,
-               device: torch.device | str = "cpu") -> CausalLM:
+               device: torch.device | str = "cpu", *, ops: KernelOps | None = None) -> CausalLM:
     """`build_model` + `load_weights` for a Hugging Face checkpoint directory."""
-    model = build_model(checkpoint_dir, attn_backend, dtype, device)
+    model = build_model(checkpoint_dir, attn_backend, dtype, device, ops=ops)
     load_weights(model, checkpoint_dir)
     return model

@@ -1,19 +1,22 @@
-"""Building blocks shared by the model families: norms, linears that know how to load, activations.
+"""Building blocks shared by the model families: norms, linears that know how to load, embeddings.
 
-Every parameter may carry a `weight_loader(param, tensor, shard_id=None)` attribute: the generic
-checkpoint loader hands each checkpoint tensor to the loader of the parameter it maps to, so
-packed parameters (q/k/v -> qkv_proj, gate/up -> gate_up_proj, stacked experts) fill themselves.
+Their arithmetic is the engine's kernel-op table (`KernelOps`, given at construction): a plugin's kernel where it
+takes the inputs, else plain torch. Every parameter may carry a `weight_loader(param, tensor, shard_id=None)`
+attribute: the generic checkpoint loader hands each checkpoint tensor to the loader of the parameter it maps to,
+so packed parameters (q/k/v -> qkv_proj, gate/up -> gate_up_proj, stacked experts) fill themselves.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember_platform.engine.native import dense_linear, fused_ops, tracks_grad
+if TYPE_CHECKING:
+    from ember_platform.engine.kernel_ops import KernelOps
 
 WeightLoader = Callable[..., None]
 
@@ -43,28 +46,20 @@ def new_parameter(*shape: int, weight_loader: WeightLoader = default_weight_load
 class RMSNorm(nn.Module):
     """RMSNorm with an optional fused residual add: `norm(x, residual)` returns (normed, x + residual).
 
-    Normalizes in float32 and multiplies by the weight after casting back, as transformers does.
+    Normalizes in float32 and multiplies by the weight after casting back, as transformers does (the
+    `rms_norm` kernel op: at decode its ~10 small torch ops cost more than the arithmetic, 25 times a step).
     """
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, ops: KernelOps) -> None:
         super().__init__()
         self.eps = eps
+        self.ops = ops
         self.weight = new_parameter(hidden_size)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        # x, residual: [T, D]. On the CPU one native call does the ~10 small ops below (same roundings):
-        # at decode those ops cost more than the norm's arithmetic, 25 times a step.
-        if (fused := fused_ops()) is not None and not tracks_grad(x, residual, self.weight):
-            done = fused.rms_norm(x, self.weight, self.eps, residual)
-            if done is not None:
-                return done
-        if residual is not None:
-            x = x + residual
-        residual = x
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype), residual
+        # x, residual: [T, D]
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Linear(nn.Linear):
@@ -73,8 +68,9 @@ class Linear(nn.Linear):
     An `nn.Linear`, so that quantizers (which replace `nn.Linear` layers after loading) find it.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, ops: KernelOps) -> None:
         super().__init__(in_features, out_features, bias=bias)  # on the meta device: no memory, no init cost
+        self.ops = ops
         for param in self.parameters(recurse=False):
             param.requires_grad_(False)
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -83,24 +79,11 @@ class Linear(nn.Linear):
         default_weight_loader(param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Decode and speculative verification run a few rows; there MKL's float32 GEMM costs 2-4x its
-        # one-row GEMV per row on AVX2 CPUs, while the native kernel streams the weights once for all
-        # rows. It also sums each row in one fixed order whatever the row count, so a row's output does
-        # not depend on the rows sharing its step (drafts verified, sequences batched). Else F.linear.
-        weight = self.weight
-        if (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.is_cpu and weight.is_cpu
-                and 0 < x.numel() <= NATIVE_LINEAR_MAX_ROWS * self.in_features and x.shape[-1] == self.in_features
-                and weight.is_contiguous() and not tracks_grad(x, weight)
-                and (native := dense_linear()) is not None):
-            return native(x.reshape(-1, self.in_features), weight, self.bias).view(*x.shape[:-1], self.out_features)
-        return F.linear(x, weight, self.bias)
+        # The `linear` kernel op: decode and speculative verification run a few rows, where a kernel that
+        # streams the weights once for all rows beats a GEMM library (prefill-sized inputs go to F.linear).
+        return self.ops.linear(x, self.weight, self.bias)
 
 
-# The most rows the native CPU kernel takes: per row it costs about what one row does (it is bound by
-# the weights' bytes at 1 row, by FMAs beyond), while MKL's GEMM gains on it with more rows; they were
-# about even at 16 rows on tiny-llama's lm_head (4096x256) on an AVX2 EPYC, the native kernel 1.1-3x
-# faster below that. Prefill chunks go to MKL.
-NATIVE_LINEAR_MAX_ROWS = 16
 class PackedLinear(Linear):
     """Several linears over the same input fused into one matmul, e.g. q/k/v or gate/up.
 
@@ -109,8 +92,9 @@ class PackedLinear(Linear):
     output by sizes they keep themselves: a quantizer may replace this layer after loading.
     """
 
-    def __init__(self, in_features: int, shards: Mapping[Hashable, int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(shards.values()), bias)
+    def __init__(self, in_features: int, shards: Mapping[Hashable, int], bias: bool = False, *,
+                 ops: KernelOps) -> None:
+        super().__init__(in_features, sum(shards.values()), bias, ops=ops)
         self.shard_sizes = dict(shards)
         self.shard_offsets: dict[Hashable, int] = {}
         offset = 0
@@ -137,14 +121,4 @@ class Embedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU: silu(gate) * up for a fused [..., 2 * I] projection (gate first, as checkpoints pack it)."""
-    if (fused := fused_ops()) is not None and not tracks_grad(gate_up):
-        out = fused.silu_and_mul(gate_up)
-        if out is not None:
-            return out
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 

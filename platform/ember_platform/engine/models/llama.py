@@ -8,20 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from ember_platform.engine.attention import AttentionBackend, AttentionBackendFactory, AttentionMetadata, KVCache
-from ember_platform.engine.models.layers import (
-    Embedding,
-    Linear,
-    PackedLinear,
-    RMSNorm,
-    silu_and_mul,
-)
-from ember_platform.engine.models.rope import RotaryEmbedding, rope_parameters, rotate_
+from ember_platform.engine.models.layers import Embedding, Linear, PackedLinear, RMSNorm
+from ember_platform.engine.models.rope import RotaryEmbedding, rope_parameters
+
+if TYPE_CHECKING:
+    from ember_platform.engine.kernel_ops import KernelOps
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,14 +85,16 @@ def layer_windows(config: Mapping[str, Any], default_sliding: list[bool]) -> tup
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, args: ModelArgs, backend: AttentionBackend) -> None:
+    def __init__(self, args: ModelArgs, backend: AttentionBackend, ops: KernelOps) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.scale = args.head_dim**-0.5
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         self.qkv_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = PackedLinear(args.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=args.qkv_bias)
-        self.o_proj = Linear(q_size, args.hidden_size, bias=args.o_bias)
+        self.qkv_proj = PackedLinear(args.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=args.qkv_bias,
+                                     ops=ops)
+        self.o_proj = Linear(q_size, args.hidden_size, bias=args.o_bias, ops=ops)
         self.attn = backend  # not a module: backends hold no weights
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
@@ -103,30 +102,32 @@ class LlamaAttention(nn.Module):
         # x: [T, D]
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        q = rotate_(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, H, hd]
-        k = rotate_(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, hd]
+        # In place where the kernel can: q and k stay slices of the fused qkv output, no copies.
+        q = self.ops.rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, H, hd]
+        k = self.ops.rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, hd]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, hd]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, ops: KernelOps) -> None:
         super().__init__()
+        self.ops = ops
         self.gate_up_proj = PackedLinear(args.hidden_size, {"gate": args.intermediate_size,
-                                                            "up": args.intermediate_size}, bias=args.mlp_bias)
-        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+                                                            "up": args.intermediate_size}, bias=args.mlp_bias, ops=ops)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias, ops=ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, backend: AttentionBackend, mlp: nn.Module) -> None:
+    def __init__(self, args: ModelArgs, backend: AttentionBackend, mlp: nn.Module, ops: KernelOps) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = LlamaAttention(args, backend)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
+        self.self_attn = LlamaAttention(args, backend, ops)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -139,11 +140,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, args: ModelArgs, backends: list[AttentionBackend], mlps: list[nn.Module]) -> None:
+    def __init__(self, args: ModelArgs, backends: list[AttentionBackend], mlps: list[nn.Module],
+                 ops: KernelOps) -> None:
         super().__init__()
         self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, b, m) for b, m in zip(backends, mlps, strict=True))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(args, b, m, ops) for b, m in zip(backends, mlps, strict=True))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
         self.rotary_emb = RotaryEmbedding(args.head_dim, args.rope)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -174,18 +176,19 @@ class LlamaForCausalLM(nn.Module):
     lora_module_names: ClassVar[tuple[str, ...]] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
     def __init__(self, config: Mapping[str, Any], attn_backend: AttentionBackendFactory,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", *, ops: KernelOps) -> None:
         super().__init__()
         self.config = dict(config)
         self.args = args = self.parse_args(config)
         self.dtype, self.device = dtype, torch.device(device)
+        self.ops = ops  # the kernel-op table every layer (and the attention backends) calls
         by_window: dict[int | None, AttentionBackend] = {}
         for window in args.sliding_windows:  # one backend per distinct attention configuration
             if window not in by_window:
-                by_window[window] = attn_backend(sliding_window=window)
+                by_window[window] = attn_backend(sliding_window=window, ops=ops)
         backends = [by_window[w] for w in args.sliding_windows]
-        self.model = DecoderModel(args, backends, [self.make_mlp(args, i) for i in range(args.num_layers)])
-        self.lm_head = Linear(args.hidden_size, args.vocab_size)
+        self.model = DecoderModel(args, backends, [self.make_mlp(args, i) for i in range(args.num_layers)], ops)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, ops=ops)
         if args.tie_word_embeddings:  # one parameter, loaded once (from the embedding's tensor)
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -197,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
                          sliding_windows=(None,) * config["num_hidden_layers"])
 
     def make_mlp(self, args: ModelArgs, layer: int) -> nn.Module:
-        return LlamaMLP(args)
+        return LlamaMLP(args, self.ops)
 
     def checkpoint_target(self, name: str) -> tuple[str, Hashable | None] | None:
         """Where a checkpoint tensor goes: (parameter name, shard id or None), or None to skip it."""

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Hashable, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember_platform.engine.models.layers import Linear, copy_weight, new_parameter, silu_and_mul
+from ember_platform.engine.models.layers import Linear, copy_weight, new_parameter
 from ember_platform.engine.models.llama import MistralForCausalLM, ModelArgs, common_args, layer_windows
+
+if TYPE_CHECKING:
+    from ember_platform.engine.kernel_ops import KernelOps
 
 _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*)\.block_sparse_moe\.experts\.(?P<expert>\d+)\.(?P<w>w[123])\.weight$")
 
@@ -24,9 +27,10 @@ _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*)\.block_sparse_moe\.experts\.(?P<ex
 class StackedExperts(nn.Module):
     """E SwiGLU experts in two stacked tensors; runs each token through the experts routed to it."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ops: KernelOps) -> None:
         super().__init__()
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.ops = ops
         self.gate_up_proj = new_parameter(num_experts, 2 * intermediate_size, hidden_size,
                                           weight_loader=self.gate_up_loader)
         self.down_proj = new_parameter(num_experts, hidden_size, intermediate_size, weight_loader=self.down_loader)
@@ -58,7 +62,7 @@ class StackedExperts(nn.Module):
             if count == 0:
                 continue
             idx = tokens[start:start + count]
-            h = silu_and_mul(F.linear(x[idx], self.gate_up_proj[expert]))  # [n, I]
+            h = self.ops.silu_and_mul(F.linear(x[idx], self.gate_up_proj[expert]))  # [n, I]
             h = F.linear(h, self.down_proj[expert]) * weights[start:start + count, None]  # float32 like the router
             out.index_add_(0, idx, h.to(out.dtype))
             start += count
@@ -68,11 +72,11 @@ class StackedExperts(nn.Module):
 class MixtralMoE(nn.Module):
     """Router + experts: softmax over the router logits, keep the top k, renormalize them to sum to 1."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, ops: KernelOps) -> None:
         super().__init__()
         self.top_k = args.num_experts_per_tok
-        self.gate = Linear(args.hidden_size, args.num_experts)
-        self.experts = StackedExperts(args.num_experts, args.hidden_size, args.intermediate_size)
+        self.gate = Linear(args.hidden_size, args.num_experts, ops=ops)
+        self.experts = StackedExperts(args.num_experts, args.hidden_size, args.intermediate_size, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D]
@@ -97,7 +101,7 @@ class MixtralForCausalLM(MistralForCausalLM):
                          num_experts=config["num_local_experts"], num_experts_per_tok=config["num_experts_per_tok"])
 
     def make_mlp(self, args: ModelArgs, layer: int) -> nn.Module:
-        return MixtralMoE(args)
+        return MixtralMoE(args, self.ops)
 
     def checkpoint_target(self, name: str) -> tuple[str, Hashable | None] | None:
         match = _EXPERT_TENSOR.match(name)

@@ -1,4 +1,6 @@
-"""Rotary position embeddings: the inverse frequencies of each `rope_type`, and applying them.
+"""Rotary position embeddings: the inverse frequencies of each `rope_type`, and each step's cos/sin.
+
+Applying them to q and k is the kernel-op table's `rotary` (engine/kernel_ops.py has the torch reference).
 
 Reads RoPE settings the way transformers 5.x standardizes them (`rope_parameters`), and also the
 4.x spelling (`rope_theta` at the top, `rope_scaling` with `type` or `rope_type`).
@@ -12,8 +14,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-from ember_platform.engine.native import fused_ops, tracks_grad
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -87,21 +87,3 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] by the half-split (GPT-NeoX) convention Llama checkpoints use."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`apply_rotary`, done in place on x by the native CPU kernel where it can (the same roundings);
-    else a new tensor. Returns the rotated tensor: x is overwritten only when that is x itself.
-
-    In place, q and k stay slices of the fused qkv output: no copies, and ~12 small ops fewer per layer.
-    """
-    if not tracks_grad(x) and (fused := fused_ops()) is not None and fused.rotary_(x, cos, sin):
-        return x
-    return apply_rotary(x, cos, sin)

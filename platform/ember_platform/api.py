@@ -1,0 +1,71 @@
+"""The platform's public API for plugins: the one module a plugin imports from `ember_platform`.
+
+Everything else in `ember_platform` may change without notice; these names are the contracts technique plugins
+implement or call (Ember's built-in plugins import nothing else, tests/test_import_boundaries.py checks it).
+
+Names load on first use (PEP 562): the gateway loads routing-scorer plugins and must stay torch-free, so importing
+this module imports nothing, and `from ember_platform.api import Score` imports only the routing module. To add a
+contract, add one line to `_EXPORTS` (name -> defining module) and the same name to the TYPE_CHECKING imports.
+"""
+
+# ruff: noqa: F401  (the TYPE_CHECKING imports are re-exports, for type checkers)
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS: dict[str, str] = {
+    # attention backends (ember_attention_backends)
+    "AttentionBackend": "ember_platform.engine.attention",
+    "AttentionMetadata": "ember_platform.engine.attention",
+    "KVCache": "ember_platform.engine.attention",
+    "kv_cache_block_shape": "ember_platform.engine.attention",
+    "write_kv": "ember_platform.engine.attention",  # the torch reference; backends call ops.write_kv
+    # kernel ops (ember_kernel_ops): the table a model and its attention backends are built with
+    "KernelOps": "ember_platform.engine.kernel_ops",
+    # quantizers (ember_quantizers)
+    "Quantizer": "ember_platform.engine.quantization",
+    "linear_layers": "ember_platform.engine.quantization",
+    # speculators (ember_speculators)
+    "Proposal": "ember_platform.engine.speculation",
+    "Request": "ember_platform.engine.request",
+    "Speculator": "ember_platform.engine.speculation",
+    "SpeculatorContext": "ember_platform.engine.speculation",
+    # routing scorers (ember_routing_scorers); torch-free
+    "KV_TIERS": "ember_platform.routing",
+    "ReplicaView": "ember_platform.routing",
+    "RouteRequest": "ember_platform.routing.scoring",
+    "Score": "ember_platform.routing.scoring",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from ember_platform.engine.attention import (
+        AttentionBackend,
+        AttentionMetadata,
+        KVCache,
+        kv_cache_block_shape,
+        write_kv,
+    )
+    from ember_platform.engine.kernel_ops import KernelOps
+    from ember_platform.engine.quantization import Quantizer, linear_layers
+    from ember_platform.engine.request import Request
+    from ember_platform.engine.speculation import Proposal, Speculator, SpeculatorContext
+    from ember_platform.routing import KV_TIERS, ReplicaView
+    from ember_platform.routing.scoring import RouteRequest, Score
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ember_platform.api' has no attribute '{name}' "
+                             f"(the platform's plugin API: {', '.join(__all__)})")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
