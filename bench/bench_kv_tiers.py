@@ -135,7 +135,7 @@ def run(args: argparse.Namespace, tmp: Path, endpoint: str | None, bucket: str |
     assert writer is not None
 
     def alone(**option: Any) -> KVTierStore:
-        return KVTierStore(KVTierConfig(**{"cpu_gb": 0, **option}), writer.layout, engine.runner.kv_caches,
+        return KVTierStore(KVTierConfig(**{"cpu_gb": 0, **option}), writer.layout, engine.executor.kv_caches,
                            engine.device)
 
     readers: dict[str, KVTierStore | None] = {"recompute": None, "cpu": writer, "disk": alone(**disk)}

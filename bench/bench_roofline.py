@@ -76,9 +76,9 @@ def weight_bytes_per_token(model: Any) -> tuple[int, dict[str, int]]:
 
 def kv_bytes_per_token(engine: Any, context_len: int) -> int:
     """K and V of every layer for `context_len` positions: what attention reads at that length."""
-    k_cache = engine.runner.kv_caches[0][0]
+    k_cache = engine.executor.kv_caches[0][0]
     per_position = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size() * 2
-    return per_position * len(engine.runner.kv_caches) * context_len
+    return per_position * len(engine.executor.kv_caches) * context_len
 
 
 def measure_bandwidth(num_bytes: int, trials: int = 7) -> dict[str, float]:

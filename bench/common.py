@@ -230,7 +230,8 @@ def decode_rate(engine: Any, prompt: Sequence[int], max_tokens: int) -> float:
 ENGINE_PHASES = {  # cProfile function keys (file suffix, function) -> phase name, for the breakdown
     ("scheduler.py", "schedule"): "schedule",
     ("model_runner.py", "execute"): "model (execute)",
-    ("attention.py", "build"): "  attention metadata",
+    ("step_plan.py", "build"): "step plan",
+    ("model_runner.py", "plan_metadata"): "  attention metadata",
     ("torch_paged.py", "forward"): "  attention backend",
     ("int8.py", "forward"): "  int8 linears",
     ("engine.py", "_sample"): "sample",

@@ -129,7 +129,8 @@ def plugin_dists(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     plugin sources, so the README's examples are what is tested.
     """
     root = tmp_path_factory.mktemp("plugin-dists")
-    sources = {"techniques": FIXTURES / "ember-test-techniques", "broken": FIXTURES / "ember-broken-plugin"}
+    sources = {"techniques": FIXTURES / "ember-test-techniques", "broken": FIXTURES / "ember-broken-plugin",
+               "parallel": FIXTURES / "ember-test-parallel", "speculator": FIXTURES / "ember-test-speculator"}
     for name, text in readme_plugin_sources().items():
         dist, _, file_name = name.rpartition("/")
         dist = dist or "ember-redact"

@@ -32,6 +32,15 @@ _EXPORTS: dict[str, str] = {
     "Request": "ember_platform.engine.request",
     "Speculator": "ember_platform.engine.speculation",
     "SpeculatorContext": "ember_platform.engine.speculation",
+    "SpeculatorInputs": "ember_platform.engine.speculation",
+    "DraftKVSpec": "ember_platform.engine.speculation",
+    # parallel strategies (ember_parallel_strategies): an Executor runs one Worker per rank
+    "Executor": "ember_platform.engine.executor",
+    "ParallelContext": "ember_platform.engine.parallel",
+    "StepOutput": "ember_platform.engine.step_plan",
+    "StepPlan": "ember_platform.engine.step_plan",
+    "Worker": "ember_platform.engine.worker",
+    "WorkerConfig": "ember_platform.engine.worker",
     # routing scorers (ember_routing_scorers); torch-free
     "KV_TIERS": "ember_platform.routing",
     "ReplicaView": "ember_platform.routing",
@@ -49,10 +58,14 @@ if TYPE_CHECKING:
         kv_cache_block_shape,
         write_kv,
     )
+    from ember_platform.engine.executor import Executor
     from ember_platform.engine.kernel_ops import KernelOps
+    from ember_platform.engine.parallel import ParallelContext
     from ember_platform.engine.quantization import Quantizer, linear_layers
     from ember_platform.engine.request import Request
-    from ember_platform.engine.speculation import Proposal, Speculator, SpeculatorContext
+    from ember_platform.engine.speculation import DraftKVSpec, Proposal, Speculator, SpeculatorContext, SpeculatorInputs
+    from ember_platform.engine.step_plan import StepOutput, StepPlan
+    from ember_platform.engine.worker import Worker, WorkerConfig
     from ember_platform.routing import KV_TIERS, ReplicaView
     from ember_platform.routing.scoring import RouteRequest, Score
 

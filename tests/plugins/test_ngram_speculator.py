@@ -10,7 +10,7 @@ import torch
 
 from ember_platform import LLM, SamplingParams
 from ember_platform.engine.request import Request
-from ember_platform.engine.speculation import SpeculatorContext
+from ember_platform.engine.speculation import SpeculatorContext, SpeculatorInputs
 from ember_plugins.speculators.ngram import NgramSpeculator, continuation
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama"
@@ -28,7 +28,11 @@ def request(tokens: list[int], request_id: str = "r") -> Request:
 
 
 def drafts(spec: NgramSpeculator, req: Request, k: int = 4) -> list[int] | None:
-    proposal = spec.propose([req], k)[0]
+    # The engine's per-step input as ngram reads it: the requests to propose for and k (no hidden states).
+    empty = torch.empty(0, dtype=torch.long)
+    inputs = SpeculatorInputs(batch=[req], propose_for=[0], num_speculative_tokens=k, token_ids=empty,
+                              positions=empty, query_start_loc=[0, 0], num_kept=[0], num_accepted=[0])
+    proposal = spec.propose(inputs)[0]
     return None if proposal is None else proposal.token_ids
 
 

@@ -23,6 +23,7 @@ _OVERRIDES: dict[str, tuple[str, str]] = {
     "speculator_max_batch_size": ("speculator", "max_batch_size"),
     "speculator_options": ("speculator", "options"),
     "attention": ("kernels", "attention"),
+    "parallelism": ("parallelism", "strategy"),
     "tensor_parallel": ("parallelism", "tensor_parallel"),
 }
 # Engine-only knobs that have no manifest field (tests and benchmarks use them). `kv_tiers`: a mapping of

@@ -1,10 +1,11 @@
-"""LLMEngine: one replica's engine — load a package, then `add_request` / `step` / `abort`.
+"""LLMEngine: one replica's engine core — load a package, then `add_request` / `step` / `abort`.
 
-Each `step()` schedules a batch, runs the model once over it, samples (verifying speculative
-drafts where there are any), appends tokens, checks stop conditions, detokenizes, and returns
-one `RequestOutput` per request that made progress. `LLM` (batch scripts) and `AsyncEngine`
-(serving) are thin loops around it. Requests may name a LoRA adapter (the package's `[[lora]]`
-entries, or `add_lora` at run time); requests for different adapters share one batch.
+Each `step()` schedules a batch, turns it into a `StepPlan`, has the executor run it (one worker per rank:
+model, KV cache, runner), samples (verifying speculative drafts where there are any), appends tokens, checks
+stop conditions, detokenizes, and returns one `RequestOutput` per request that made progress. The core holds
+the scheduler, the KV block manager and the outputs; it knows no model and no device. `LLM` (batch scripts)
+and `AsyncEngine` (serving) are thin loops around it. Requests may name a LoRA adapter (the package's
+`[[lora]]` entries, or `add_lora` at run time); requests for different adapters share one batch.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,33 +25,33 @@ from torch import nn
 from ember.plugins import PluginHost
 from ember.selection import SelectionReport
 from ember_platform.engine.config import ModelSource, read_hf_config, resolve_source
-from ember_platform.engine.host_memory import release_pages
+from ember_platform.engine.executor import Executor, UniprocessExecutor
 from ember_platform.engine.kernel_ops import KernelOps
 from ember_platform.engine.kv_cache_manager import KVCacheManager
 from ember_platform.engine.lora import check_adapter_name
-from ember_platform.engine.lora_layer import lora_layouts
 from ember_platform.engine.lora_manager import LoRAManager, UnknownLoRAError
-from ember_platform.engine.model_runner import ForwardResult, ModelRunner, allocate_kv_caches, kv_bytes_per_block
-from ember_platform.engine.models import build_model
-from ember_platform.engine.models.loader import load_weights, materialize
 from ember_platform.engine.outputs import RequestOutput, Usage
-from ember_platform.engine.quantized_cache import QuantizedWeightCache
+from ember_platform.engine.rejection import rejection_sample
 from ember_platform.engine.request import Request, RequestStatus
 from ember_platform.engine.sampler import Sampler, SamplingBatch, TokenLogprobs, make_generator
 from ember_platform.engine.sampling_params import SamplingParams
 from ember_platform.engine.scheduler import Scheduler
-from ember_platform.engine.speculation import Speculator, SpeculatorContext, verify_greedy, verify_rejection
+from ember_platform.engine.spec_decode import SpecDecoder
+from ember_platform.engine.speculation import Speculator, SpeculatorContext, verify_greedy
+from ember_platform.engine.step_plan import BlockTables, StepOutput, StepPlan
 from ember_platform.engine.text.detokenizer import IncrementalDetokenizer
 from ember_platform.engine.text.stop import StopStringMatcher
 from ember_platform.engine.text.tokenizer import Tokenizer
+from ember_platform.engine.worker import WorkerConfig, kv_cache_shape
 from ember_platform.kvtiers.identity import model_identity
 from ember_platform.kvtiers.store import KVTierStore
+
+__all__ = ["EngineBrokenError", "LLMEngine", "kv_cache_shape", "resolve_dtype"]
 
 log = logging.getLogger("ember.engine")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PREFILL_RATE_MIN_TOKENS = 64  # steps with fewer tokens are decode-bound: they say little about recomputing a prefix
-CPU_KV_CACHE_DEFAULT_GB = 4.0  # like vLLM's CPU backend: a fixed budget, since host RAM is shared
 NATIVE_BF16_CPU_FEATURES = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 # LoRA serving knobs (engine keywords; no manifest field yet): device slots, the largest rank accepted,
 # adapters kept in host memory, and an optional device-memory budget for the slots in GiB.
@@ -88,58 +89,58 @@ class LLMEngine:
         self.plugins.check_manifest(manifest, source=str(source.root / "ember.toml"))
         self.hardware = self.plugins.hardware(manifest)
         self.selections: dict[str, SelectionReport] = self.plugins.select_all(manifest, self.hardware)
-        self.device = torch.device("cuda" if self.hardware.is_cuda else "cpu")
+        self.device = torch.device("cuda" if self.hardware.is_cuda else "cpu")  # the driver's (sampling) device
         self.hf_config = read_hf_config(source.weights_dir)
         self.dtype = resolve_dtype(manifest.runtime.dtype, self.hf_config, self.device,
                                    native_bf16=bool(self.hardware.cpu_features & NATIVE_BF16_CPU_FEATURES))
-
-        attention = self._technique("attention")
+        rt = manifest.runtime
+        self.block_size = rt.kv_block_size
+        quant = self.selections["quantization"]
         # The kernel-op table (ember_kernel_ops): resolved once here, given to every layer and attention backend.
         self.kernel_ops = KernelOps.from_plugins(self.plugins)
-        self.model = build_model(self.hf_config, attention, self.dtype, self.device, ops=self.kernel_ops)
-        # Read before quantizing: a quantizer's modules need not say how their outputs are packed.
-        layouts = lora_layouts(self.model, getattr(self.model, "lora_module_names", ()))
-        self._checkpoint_target = self.model.checkpoint_target
-        quant = self.selections["quantization"]
-        self.quantized_from_cache = False
-        if quant.name == "none":
-            load_weights(self.model, source.weights_dir)
-            self.timings["load"] = time.perf_counter() - t0
-        else:
-            self.model = self._load_quantized(quant, source, t0)
-        self.model.eval()
-        self.plugins.model_loaded(manifest, self.model, self.hardware)
-        budget = lora_options["lora_memory_gb"]
-        self.lora = LoRAManager(self.model, layouts, self._lora_target, max_loras=lora_options["max_loras"],
-                                max_lora_rank=lora_options["max_lora_rank"],
-                                max_cpu_loras=lora_options["max_cpu_loras"],
-                                memory_budget_bytes=None if budget is None else budget * 2**30,
-                                device=self.device, dtype=self.dtype)
-        for entry in manifest.lora if source.is_package else ():
-            self.lora.register(entry.name, source.root / entry.path)
+        worker_config = WorkerConfig(
+            source=source, hf_config=self.hf_config, dtype=self.dtype, block_size=self.block_size,
+            attention=self._technique("attention"), kernel_ops=self.kernel_ops, quantization=quant, manifest=manifest,
+            hardware=self.hardware, plugins=self.plugins, lora_options=lora_options)
+        self.executor = self._make_executor(worker_config)
+        report = self.executor.load_model()
+        self.timings.update(report.timings)
+        self.quantized_from_cache = report.quantized_from_cache
+        self.lora: LoRAManager | None = self.executor.lora
+        package_loras = manifest.lora if source.is_package else ()
+        if package_loras and self.lora is None:
+            raise ValueError(f"not supported yet: [[lora]] adapters with parallel strategy "
+                             f"'{self.selections['parallelism'].name}' ({type(self.executor).__name__})")
+        for entry in package_loras:
+            self._lora().register(entry.name, source.root / entry.path)
 
         self.tokenizer = Tokenizer.from_dir(source.weights_dir)
         self.vocab_size = int(self.hf_config["vocab_size"])
-        rt = manifest.runtime
         self.max_model_len = rt.max_model_len or int(self.hf_config.get("max_position_embeddings", 2048))
-        self.block_size = rt.kv_block_size
-        num_blocks = engine_only.get("num_kv_blocks") or self._num_kv_blocks()
-        num_layers, kv_heads, head_dim = kv_cache_shape(self.hf_config)
-        self._kv_cache_spec = (num_layers, num_blocks, self.block_size, kv_heads, head_dim, self.dtype, self.device)
-        caches = allocate_kv_caches(*self._kv_cache_spec)
+        self.speculator = self._make_speculator()
+        self.spec = None if self.speculator is None else SpecDecoder(
+            self.speculator, num_speculative_tokens=manifest.speculator.num_speculative_tokens,
+            max_batch_size=manifest.speculator.max_batch_size, max_model_len=self.max_model_len,
+            num_layers=kv_cache_shape(self.hf_config)[0])
+        draft_spec = self.speculator.kv_cache_spec() if self.speculator is not None else None
+        num_blocks = engine_only.get("num_kv_blocks") or self._num_kv_blocks(draft_spec)
+        self.executor.init_kv_cache(num_blocks, draft_spec)
+        if self.spec is not None and draft_spec is not None:
+            self._bind_draft_kv()
         self.sleeping = False
         # KV tiers below the device (kvtiers/): None unless the `kv_tiers` engine option turns a tier on.
+        tiers_option = engine_only.get("kv_tiers")
         self.kv_tiers = KVTierStore.for_engine(
-            engine_only.get("kv_tiers"), block_size=self.block_size, kv_caches=caches, device=self.device,
+            tiers_option, block_size=self.block_size, device=self.device,
+            kv_caches=self.executor.kv_caches if tiers_option else [],
             model_id=lambda: model_identity(source.weights_dir, source.root if source.is_package else None,
                                             quantization=quant.name, quantization_options=quant.options))
         self.kv = KVCacheManager(num_blocks, self.block_size, rt.enable_prefix_caching, tiers=self.kv_tiers)
         self.scheduler = Scheduler(self.kv, max_num_seqs=rt.max_num_seqs,
                                    max_num_batched_tokens=max(rt.max_num_batched_tokens, rt.max_num_seqs),
                                    max_model_len=self.max_model_len, lora=self.lora)
-        self.runner = ModelRunner(self.model, caches, self.block_size, self.device, lora=self.lora)
         self.sampler = Sampler(seed=rt.seed)
-        self.speculator = self._make_speculator()
+        self._block_tables = BlockTables(-(-self.max_model_len // self.block_size) + 1, rows=rt.max_num_seqs)
         self._states: dict[str, _RequestState] = {}
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
@@ -163,48 +164,24 @@ class LLMEngine:
             raise RuntimeError(f"{kind} '{name}' is selected but no installed plugin provides it")
         return technique.load()
 
-    def _load_quantized(self, quant: SelectionReport, source: ModelSource, t0: float) -> nn.Module:
-        """Load and quantize, or load the quantized weights an earlier start cached (skipping both)."""
-        quantizer_cls = self._technique("quantization")
-        quantizer = quantizer_cls(quant.options)
-        cache = QuantizedWeightCache.default()
-        key = None
-        if cache is not None:
-            identity = model_identity(source.weights_dir, source.root if source.is_package else None)
-            key = cache.key(identity, quant.name, quant.options, self.dtype, self.device, quantizer_cls)
-            state = cache.load(key)
-            restored = quantizer.restore(self.model, state) if state is not None else None
-            if restored is not None:
-                assert state is not None
-                materialize(restored, self.device, self.dtype)
-                restored.load_state_dict(state, strict=False)  # norms, embeddings, skipped layers; ties share
-                self.timings["load"] = time.perf_counter() - t0
-                self.timings["quantize"] = 0.0
-                self.quantized_from_cache = True
-                return restored
-            if state is not None:  # restore refused the entry: start from a clean model
-                self.model = build_model(self.hf_config, self._technique("attention"), self.dtype, self.device,
-                                         ops=self.kernel_ops)
-        load_weights(self.model, source.weights_dir)
-        self.timings["load"] = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        model = quantizer.quantize(self.model)
-        self.timings["quantize"] = time.perf_counter() - t1
-        if cache is not None and key is not None:
-            cache.save(key, model)
-        return model
+    def _make_executor(self, config: WorkerConfig) -> Executor:
+        """The selected parallel strategy's executor ("none": one worker in this process)."""
+        selection = self.selections["parallelism"]
+        if selection.name == "none":
+            return UniprocessExecutor(config, selection.options)
+        cls = self._technique("parallelism")
+        if not (isinstance(cls, type) and issubclass(cls, Executor)):
+            raise TypeError(f"parallel strategy '{selection.name}' is {cls!r}, which is not an Executor subclass "
+                            "(ember_platform.api.Executor): its plugin registered something else")
+        return cls(config, selection.options)
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, draft: Any = None) -> int:
+        """As many blocks as the tightest rank's budget holds, less what the speculator will allocate itself."""
         rt = self.manifest.runtime
-        num_layers, kv_heads, head_dim = kv_cache_shape(self.hf_config)
-        per_block = kv_bytes_per_block(num_layers, self.block_size, kv_heads, head_dim, self.dtype)
-        if rt.kv_cache_memory_gb is not None:
-            budget = rt.kv_cache_memory_gb * 2**30
-        elif self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            budget = free * rt.memory_utilization
-        else:
-            budget = min(CPU_KV_CACHE_DEFAULT_GB * 2**30, self.hardware.host_memory_bytes * 0.25)
+        budget = self.executor.available_kv_memory()
+        if self.speculator is not None:
+            budget -= self.speculator.memory_bytes()
+        per_block = self.executor.kv_bytes_per_block(draft)
         # More than every sequence at full length is never needed.
         ceiling = rt.max_num_seqs * (-(-self.max_model_len // self.block_size) + 1)
         return max(1, min(int(budget // per_block), ceiling))
@@ -216,51 +193,65 @@ class LLMEngine:
         cls = self._technique("speculator")
         model_dir = self.source.root / self.manifest.speculator.model if self.manifest.speculator.model else None
         context = SpeculatorContext(self.manifest.speculator.num_speculative_tokens, self.vocab_size, self.device,
-                                    self.dtype, model_dir, self.hf_config)
+                                    self.dtype, model_dir, self.hf_config, self.block_size)
         return cls(spec.options, context)
 
-    def _lora_target(self, peft_module: str) -> tuple[str, Hashable | None] | None:
-        """A PEFT module path (transformers' naming) -> (our LoRA layer, shard id): the checkpoint mapping."""
-        target = self._checkpoint_target(f"{peft_module}.weight")
-        if target is None or not target[0].endswith(".weight"):
-            return None
-        return target[0].removesuffix(".weight"), target[1]
+    def _bind_draft_kv(self) -> None:
+        assert self.spec is not None and self.speculator is not None
+        self.spec.draft_kv_caches = caches = self.executor.draft_kv_caches
+        self.speculator.bind_kv_cache(caches)
+
+    @property
+    def model(self) -> nn.Module:
+        """Rank 0's model (executors whose rank-0 worker is in this process): for introspection and benches."""
+        driver = self.executor.driver
+        if driver is None or driver.model is None:
+            raise RuntimeError(f"the {type(self.executor).__name__} executor's model is not in this process")
+        return driver.model
 
     # --- LoRA adapters ----------------------------------------------------------------------
 
     # Like add_request, these run on the engine's thread (AsyncEngine's step loop owns the engine).
 
+    def _lora(self) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError(f"not supported yet: LoRA adapters with parallel strategy "
+                             f"'{self.selections['parallelism'].name}'")
+        return self.lora
+
     def add_lora(self, name: str, path: str | Path) -> None:
         """Register a PEFT adapter directory under `name` (checked now, loaded on first use)."""
-        self.lora.register(check_adapter_name(name), path)
+        self._lora().register(check_adapter_name(name), path)
 
     def remove_lora(self, name: str) -> None:
         """Forget an adapter; refused while requests for it are unfinished."""
-        if name not in self.lora.specs:
-            raise UnknownLoRAError(name, self.lora.names)
+        lora = self._lora()
+        if name not in lora.specs:
+            raise UnknownLoRAError(name, lora.names)
         users = [r.request_id for r in self.scheduler.requests.values() if r.lora_name == name]
         if users:
             shown = ", ".join(users[:5]) + (f" and {len(users) - 5} more" if len(users) > 5 else "")
             raise ValueError(f"LoRA adapter '{name}' is in use by unfinished requests ({shown}); abort them first")
-        self.lora.unregister(name)
+        lora.unregister(name)
 
     @property
     def lora_names(self) -> list[str]:
         """Every adapter requests may name."""
-        return self.lora.names
+        return self.lora.names if self.lora is not None else []
 
     @property
     def loaded_loras(self) -> frozenset[str]:
         """The adapters resident in device slots now (the router routes their requests here)."""
-        return self.lora.resident
+        return self.lora.resident if self.lora is not None else frozenset()
 
     def lora_load_seconds(self, name: str) -> float | None:
         """What loading `name` into a slot costs (measured; the mean over adapters for one never loaded)."""
-        return self.lora.estimated_load_seconds(name)
+        return self._lora().estimated_load_seconds(name)
 
     def add_lora_listener(self, callback: Callable[[frozenset[str]], None]) -> None:
         """`callback(loaded_loras)` runs on the engine's thread each time the resident set changes."""
-        self.lora.add_listener(callback)
+        if self.lora is not None:
+            self.lora.add_listener(callback)
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -280,8 +271,8 @@ class LLMEngine:
         outside = [i for i in params.stop_token_ids if i >= self.vocab_size]
         if outside:  # the sampler indexes the vocabulary with them (to hold them back until min_tokens)
             raise ValueError(f"stop_token_ids: token ids must be in [0, {self.vocab_size}), got {outside[0]}")
-        if lora_name is not None and lora_name not in self.lora.specs:
-            raise UnknownLoRAError(lora_name, self.lora.names)
+        if lora_name is not None and (self.lora is None or lora_name not in self.lora.specs):
+            raise UnknownLoRAError(lora_name, self.lora_names)
         if self.sleeping:  # a request is what wakes a sleeping engine
             self.wake()
         req = Request(request_id, ids, params, next(self._arrivals), lora_name=lora_name, cache_salt=cache_salt)
@@ -298,9 +289,15 @@ class LLMEngine:
         if req is None:
             return False
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        if self.speculator:
-            self.speculator.release(request_id)
+        self._release(request_id)
         return True
+
+    def _release(self, request_id: str) -> None:
+        """Forget a finished request's block-table row and speculation state (pending draft probabilities, the
+        speculator's)."""
+        self._block_tables.release(request_id)
+        if self.spec is not None:
+            self.spec.release(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -319,8 +316,13 @@ class LLMEngine:
                 self.kv_tiers.wait_staged(0.01)  # only prefixes being read from a tier remain: wait, don't spin
             return outputs
         t0 = time.perf_counter()
+        spec = self.spec
+        plan = StepPlan.build(batch.requests, batch.num_tokens,
+                              return_hidden_states=spec is not None and spec.return_hidden_states,
+                              aux_layers=spec.aux_layers if spec is not None else (),
+                              block_tables=self._block_tables)
         try:
-            result = self.runner.execute(batch)
+            result = self.executor.execute(plan)
         except Exception as e:
             self._forward_failures += 1
             log.exception("the forward pass failed for %d request(s) (%d in a row)", len(batch.requests),
@@ -330,9 +332,10 @@ class LLMEngine:
             outputs.extend(self._fail(req, "the model's forward pass failed") for req in batch.requests)
             return outputs
         self._forward_failures = 0
-        sampled_tokens = self._sample(result)  # reads the tokens back: the device is done with the step here
+        sampled = [batch.requests[i] for i in plan.sampled]
+        sampled_tokens = self._sample(sampled, plan.num_sample_rows, result)  # reads the tokens back: device done
         self._measure_prefill(sum(batch.num_tokens), time.perf_counter() - t0)
-        failed = {id(req) for req, tokens in zip(result.sampled, sampled_tokens, strict=True) if tokens is None}
+        failed = {id(req) for req, tokens in zip(sampled, sampled_tokens, strict=True) if tokens is None}
         for req, n in zip(batch.requests, batch.num_tokens, strict=True):
             if id(req) in failed:
                 continue
@@ -340,10 +343,12 @@ class LLMEngine:
             # Register full computed blocks now: a request that finishes this step frees them in _append,
             # and its prompt must still be in the prefix cache for the next request.
             self.kv.cache_blocks(req)
-        for req, new_tokens in zip(result.sampled, sampled_tokens, strict=True):
+        num_accepted = dict.fromkeys(range(len(batch.requests)), 0)
+        for i, req, new_tokens in zip(plan.sampled, sampled, sampled_tokens, strict=True):
             if new_tokens is None:
                 outputs.append(self._fail(req, "sampling failed"))
                 continue
+            num_accepted[i] = len(new_tokens) - 1 if req.spec_token_ids else 0
             try:
                 out = self._append(req, new_tokens)
             except Exception:
@@ -355,20 +360,28 @@ class LLMEngine:
         for req in batch.requests:
             if not req.status.finished:
                 self.kv.cache_blocks(req)
+        if spec is not None:
+            self._propose(spec, batch.requests, plan, result, [num_accepted[i] for i in range(len(batch.requests))])
+        return outputs
+
+    def _propose(self, spec: SpecDecoder, batch: list[Request], plan: StepPlan, result: StepOutput,
+                 num_accepted: list[int]) -> None:
+        # The rows of each request that stay in its sequence: its tokens computed this step, less rejected drafts.
+        num_kept = [max(0, min(n, req.num_computed_tokens - (s - n)))
+                    for req, n, s in zip(batch, plan.query_lens, plan.seq_lens, strict=True)]
         try:
-            self._propose()
+            spec.propose(batch, plan, result, num_kept, num_accepted, self.scheduler.num_running)
         except Exception:  # drafts are an optimization: a speculator that fails costs this step's drafts only
             log.exception("the speculator failed; this step has no drafts")
-            for req in self.scheduler.running:
+            for req in batch:
                 req.spec_token_ids = []
-        return outputs
+            spec.take_draft_probs(batch)
 
     def _fail(self, req: Request, what: str) -> RequestOutput:
         """End one request with finish reason "error" (its blocks freed); the engine goes on with the others."""
         self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        if self.speculator:
-            with contextlib.suppress(Exception):
-                self.speculator.release(req.request_id)
+        with contextlib.suppress(Exception):
+            self._release(req.request_id)
         out = self._finish_output(req, [])
         out.error = f"the engine failed on this request: {what}"
         return out
@@ -381,35 +394,36 @@ class LLMEngine:
         self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
             0.8 * self.prefill_tokens_per_s + 0.2 * rate
 
-    def _sample(self, result: ForwardResult) -> list[list[int] | None]:
+    def _sample(self, reqs: list[Request], num_rows: list[int], result: StepOutput) -> list[list[int] | None]:
         """Each sampled request's new tokens (verified drafts included). If sampling the batch fails, each request
         is sampled alone, so that one whose parameters break the sampler fails alone (None) and the rest go on."""
-        if not result.sampled:
+        if not reqs:
             return []
+        draft_probs = self.spec.take_draft_probs(reqs) if self.spec is not None else [None] * len(reqs)
         try:
-            return list(self._sample_rows(result.sampled, result.num_rows, result.logits))
+            return list(self._sample_rows(reqs, num_rows, result.logits, draft_probs))
         except Exception:
-            log.exception("sampling a batch of %d request(s) failed; sampling each alone", len(result.sampled))
+            log.exception("sampling a batch of %d request(s) failed; sampling each alone", len(reqs))
         tokens: list[list[int] | None] = []
         row = 0
-        for req, n in zip(result.sampled, result.num_rows, strict=True):
+        for req, n, probs in zip(reqs, num_rows, draft_probs, strict=True):
             try:
-                tokens += self._sample_rows([req], [n], result.logits[row:row + n])
+                tokens += self._sample_rows([req], [n], result.logits[row:row + n], [probs])
             except Exception:
                 log.exception("request %s: sampling failed", req.request_id)
                 tokens.append(None)
             row += n
         return tokens
 
-    def _sample_rows(self, reqs: Sequence[Request], num_rows: Sequence[int],
-                     logits: torch.Tensor) -> list[list[int]]:
+    def _sample_rows(self, reqs: Sequence[Request], num_rows: Sequence[int], logits: torch.Tensor,
+                     draft_probs: Sequence[torch.Tensor | None]) -> list[list[int]]:
         drafts = [list(r.spec_token_ids) for r in reqs]
         states = [self._states[r.request_id] for r in reqs]
         params = [r.params for r in reqs]
         needs_history = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params)
         suppressed = [self._suppressed(r) for r in reqs]
         batch = SamplingBatch.build(
-            params, vocab_size=logits.shape[-1], device=self.device,
+            params, vocab_size=logits.shape[-1], device=logits.device,
             generators=[s.generator for s in states],
             prompt_ids=[r.prompt_token_ids for r in reqs] if needs_history else None,
             output_ids=[r.output_token_ids for r in reqs] if needs_history else None,
@@ -419,23 +433,26 @@ class LLMEngine:
         out = self.sampler.sample(logits, batch)
         token_rows = out.token_ids.tolist()
         logprob_rows = out.token_logprobs() if batch.any_logprobs else None
-        probs = None
+        starts = list(itertools.accumulate(num_rows, initial=0))
         results: list[list[int]] = []
         new_logprobs: list[tuple[_RequestState, TokenLogprobs]] = []
-        row = 0
-        for i, req in enumerate(reqs):
-            n = num_rows[i]
+        for i in range(len(reqs)):
+            row = starts[i]
             if not drafts[i]:
                 results.append([token_rows[row]])
                 if logprob_rows is not None and logprob_rows[row] is not None:
                     new_logprobs.append((states[i], logprob_rows[row]))
-            elif req.params.greedy:
-                results.append(verify_greedy(token_rows[row:row + n], drafts[i]))
             else:
-                if probs is None:
-                    probs = self.sampler.probs(logits, batch)
-                results.append(verify_rejection(probs[row:row + n], drafts[i], None, states[i].generator))
-            row += n
+                results.append(verify_greedy(token_rows[row:row + num_rows[i]], drafts[i]))
+        # Sampled drafts are verified by rejection, all requests at once: the output keeps the target's distribution.
+        rejected = [i for i, r in enumerate(reqs) if drafts[i] and not r.params.greedy]
+        if rejected:
+            verified = rejection_sample(self.sampler.probs(logits, batch), [starts[i] for i in rejected],
+                                        [drafts[i] for i in rejected], [draft_probs[i] for i in rejected],
+                                        [states[i].generator for i in rejected],
+                                        self.sampler.shared_generator(logits.device))
+            for i, tokens in zip(rejected, verified, strict=True):
+                results[i] = tokens
         # Recorded only now: when this raises part-way, the requests are sampled again one by one (see _sample).
         for state, logprobs in new_logprobs:
             state.logprobs.append(logprobs)
@@ -489,8 +506,7 @@ class LLMEngine:
                 tail = state.detokenizer.flush()
                 text += state.stop.feed(tail)[0] + state.stop.flush() if state.stop else tail
             self.scheduler.finish(req, status)
-            if self.speculator:
-                self.speculator.release(req.request_id)
+            self._release(req.request_id)
         logprobs = state.logprobs[-len(accepted):] if state.logprobs and req.params.logprobs is not None else None
         return RequestOutput(req.request_id, accepted, text, status is not None, req.finish_reason, req.stop_reason,
                              self._usage(req), logprobs)
@@ -501,24 +517,6 @@ class LLMEngine:
 
     def _usage(self, req: Request) -> Usage:
         return Usage(req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_tokens)
-
-    def _propose(self) -> None:
-        if self.speculator is None:
-            return
-        running = self.scheduler.running
-        if len(running) > self.manifest.speculator.max_batch_size:
-            return  # large batches are compute-bound: drafts would cost more than they save
-        eligible = [r for r in running if r.params.logprobs is None and r.num_computed_tokens == r.num_tokens - 1]
-        if not eligible:
-            return
-        k = self.manifest.speculator.num_speculative_tokens
-        for req, proposal in zip(eligible, self.speculator.propose(eligible, k), strict=True):
-            if proposal is None or not proposal.token_ids:
-                continue
-            room = self.max_model_len - req.num_tokens - 1
-            if req.params.max_tokens is not None:
-                room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
-            req.spec_token_ids = proposal.token_ids[:max(0, min(k, room))]
 
     def _seed_from_tiers(self, n: int) -> None:
         """Load the `n` hottest prefixes the replicas published into the device pool (a cold-start phase)."""
@@ -546,24 +544,20 @@ class LLMEngine:
             raise RuntimeError("cannot sleep with requests in flight; drain first")
         if not self.kv.pool.reset_prefix_cache():
             raise RuntimeError("cannot sleep: KV blocks are still in use")
-        in_place = self.device.type == "cpu" and release_pages(t for kv in self.runner.kv_caches for t in kv)
-        if not in_place:
-            self.runner.kv_caches = []
-            if self.kv_tiers is not None:
-                self.kv_tiers.kv_caches = []
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+        self.executor.sleep()
+        if self.kv_tiers is not None:
+            self.kv_tiers.kv_caches = list(self.executor.kv_caches)  # empty where the cache was freed
         self.sleeping = True
 
     def wake(self) -> float:
         """Reallocate the KV cache after `sleep()`; returns the seconds it took."""
         t0 = time.perf_counter()
         if self.sleeping:
-            if not self.runner.kv_caches:  # freed, not released in place
-                caches = allocate_kv_caches(*self._kv_cache_spec)
-                self.runner.kv_caches = caches
-                if self.kv_tiers is not None:
-                    self.kv_tiers.kv_caches = list(caches)
+            self.executor.wake()
+            if self.kv_tiers is not None:
+                self.kv_tiers.kv_caches = list(self.executor.kv_caches)
+            if self.speculator is not None and self.speculator.kv_cache_spec() is not None:
+                self._bind_draft_kv()
             self.sleeping = False
         return time.perf_counter() - t0
 
@@ -571,9 +565,14 @@ class LLMEngine:
         """Drop the output state of a finished request (after its last output was delivered)."""
         self._states.pop(request_id, None)
 
+    def shutdown(self) -> None:
+        """Stop the executor's workers (processes, process groups); the engine is unusable afterwards."""
+        self.executor.shutdown()
+
     # --- introspection ----------------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
+        lora = self.lora
         return {
             "num_waiting": self.scheduler.num_waiting,
             "num_running": self.scheduler.num_running,
@@ -584,18 +583,11 @@ class LLMEngine:
             "generated_tokens": self.num_generated_tokens,
             "spec_draft_tokens": self.num_draft_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,
-            "lora_loaded": len(self.lora.resident),
-            "lora_loads": self.lora.num_loads,
-            "lora_evictions": self.lora.num_evictions,
+            "lora_loaded": len(lora.resident) if lora is not None else 0,
+            "lora_loads": lora.num_loads if lora is not None else 0,
+            "lora_evictions": lora.num_evictions if lora is not None else 0,
             **(self.kv_tiers.stats() if self.kv_tiers is not None else {}),  # kv_tier_* counters
         }
-
-
-def kv_cache_shape(hf_config: dict[str, Any]) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) of a Llama-family or Mixtral config."""
-    heads = int(hf_config["num_attention_heads"])
-    head_dim = int(hf_config.get("head_dim") or hf_config["hidden_size"] // heads)
-    return int(hf_config["num_hidden_layers"]), int(hf_config.get("num_key_value_heads") or heads), head_dim
 
 
 def resolve_dtype(name: str, hf_config: dict[str, Any], device: torch.device, *,

@@ -20,7 +20,6 @@ from torch import nn
 
 from ember_platform.engine.lora import LoRAAdapterError, LoRAAdapterSpec, LoRAWeights, inspect_adapter, load_adapter
 from ember_platform.engine.lora_layer import LoRAContext, LoRALayout, LoRALinear, LoRAStep
-from ember_platform.engine.request import Request
 from ember_platform.engine.scheduler import LoRALoadError
 
 log = logging.getLogger("ember.engine.lora")
@@ -151,18 +150,19 @@ class LoRAManager:
                 self._notify()
         return True
 
-    def begin_step(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> None:
-        """Build the step's token -> slot index (once; every LoRA layer reads it) and mark adapters used."""
+    def begin_step(self, lora_names: Sequence[str | None], num_tokens: Sequence[int]) -> None:
+        """Build the step's token -> slot index (once; every LoRA layer reads it) and mark adapters used.
+
+        One entry per request of the step: its adapter's name (None: the base model) and its number of tokens."""
         slots = []
-        for req in requests:
-            if req.lora_name is None:
+        for name in lora_names:
+            if name is None:
                 slots.append(-1)
                 continue
-            slot = self._slot_of.get(req.lora_name)
+            slot = self._slot_of.get(name)
             if slot is None:  # the scheduler acquires before admitting, and running requests pin theirs
-                raise RuntimeError(f"request {req.request_id!r} runs with LoRA adapter '{req.lora_name}', "
-                                   "which is not resident")
-            self._lru.move_to_end(req.lora_name)
+                raise RuntimeError(f"a request runs with LoRA adapter '{name}', which is not resident")
+            self._lru.move_to_end(name)
             slots.append(slot)
         top = max(slots, default=-1)
         if top < 0:

@@ -1,32 +1,15 @@
-"""Runs the model for one scheduled batch: flatten the requests' new tokens, build the paged-
-attention metadata (and the LoRA token -> adapter slot index), run the forward pass, and return
-logits only where tokens are sampled."""
+"""Runs the model for one `StepPlan` on a worker's device: the paged-attention metadata (built once per step
+from the plan's tensors), the LoRA token -> slot index, the forward pass, and logits only where tokens are
+sampled; plus the hidden states a speculator asked for."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ember_platform.engine.attention import AttentionMetadata, KVCache, kv_cache_block_shape
 from ember_platform.engine.lora_manager import LoRAManager
-from ember_platform.engine.request import Request
-from ember_platform.engine.scheduler import ScheduledBatch
-
-
-@dataclass(slots=True)
-class ForwardResult:
-    """Logits for the requests that reached the end of their known tokens this step.
-
-    `logits` rows are grouped by request in `sampled` order: request i owns `num_rows[i]` rows
-    (1 + its number of speculative tokens); `hidden` holds the matching hidden states.
-    """
-
-    sampled: list[Request]
-    num_rows: list[int]
-    logits: torch.Tensor  # [N, V] float32
-    hidden: torch.Tensor  # [N, D]
+from ember_platform.engine.step_plan import StepOutput, StepPlan
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -41,7 +24,40 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def plan_metadata(plan: StepPlan, block_size: int, device: torch.device) -> AttentionMetadata:
+    """The step's attention metadata from the plan's tensors: new tokens' slots are looked up in the block
+    tables by (request, position) for all T tokens at once."""
+    lens = torch.tensor(plan.query_lens, dtype=torch.long)
+    token_req = torch.repeat_interleave(torch.arange(plan.num_reqs), lens, output_size=plan.num_tokens)
+    positions = plan.positions
+    if plan.num_tokens and int(positions.max()) >= plan.block_tables.shape[1] * block_size:
+        raise ValueError(f"a block table of {plan.block_tables.shape[1]} blocks of {block_size} cannot hold "
+                         f"position {int(positions.max())}")
+    blocks = plan.block_tables[token_req, positions // block_size].long()
+    starts = torch.zeros(plan.num_reqs + 1, dtype=torch.long)
+    torch.cumsum(lens, 0, out=starts[1:])
+    return AttentionMetadata(
+        slot_mapping=_to(blocks * block_size + positions % block_size, device),
+        query_start_loc=_to(starts, device),
+        seq_lens=_to(torch.tensor(plan.seq_lens, dtype=torch.long), device),
+        block_tables=_to(plan.block_tables, device),
+        query_lens=list(plan.query_lens),
+        seq_lens_list=list(plan.seq_lens),
+        max_query_len=max(plan.query_lens, default=0),
+        max_seq_len=max(plan.seq_lens, default=0),
+        decode_only=all(q == 1 for q in plan.query_lens),
+    )
+
+
 class ModelRunner:
+    """Executes plans on one model and its KV caches (a worker owns one)."""
+
     def __init__(self, model: nn.Module, kv_caches: list[KVCache], block_size: int, device: torch.device,
                  lora: LoRAManager | None = None) -> None:
         self.model = model
@@ -51,41 +67,23 @@ class ModelRunner:
         self.device = device
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> ForwardResult:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens, seq_lens, tables = [], [], []
-        sample_index: list[int] = []
-        sampled: list[Request] = []
-        num_rows: list[int] = []
-        for req, n in zip(batch.requests, batch.num_tokens, strict=True):
-            start = req.num_computed_tokens
-            offset = len(input_ids)
-            known = req.num_tokens
-            for pos in range(start, start + n):
-                input_ids.append(req.token_at(pos) if pos < known else req.spec_token_ids[pos - known])
-            positions.extend(range(start, start + n))
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append(req.block_ids)
-            if start + n >= known:  # reaches the newest token: sample (and verify any drafts)
-                first = known - 1 - start
-                sample_index.extend(range(offset + first, offset + n))
-                sampled.append(req)
-                num_rows.append(n - first)
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+    def execute(self, plan: StepPlan) -> StepOutput:
+        meta = plan_metadata(plan, self.block_size, self.device)
+        ids = _to(plan.input_ids, self.device)
+        pos = _to(plan.positions, self.device)
+        aux: dict[int, torch.Tensor] | None = dict.fromkeys(plan.aux_layers) if plan.aux_layers else None
         if self.lora is not None:  # one token -> slot index per step, shared by every LoRA layer
-            self.lora.begin_step(batch.requests, batch.num_tokens)
+            self.lora.begin_step(plan.lora_names, plan.query_lens)
         try:
-            hidden = self.model(ids, pos, meta, self.kv_caches)  # [T, D]
+            if aux is None:
+                hidden = self.model(ids, pos, meta, self.kv_caches)  # [T, D]
+            else:
+                hidden = self.model(ids, pos, meta, self.kv_caches, aux_hidden=aux)
         finally:
             if self.lora is not None:
                 self.lora.end_step()
-        if sample_index:
-            picked = hidden[torch.tensor(sample_index, dtype=torch.long, device=self.device)]
+        if plan.sample_rows.numel():
+            logits = self.model.compute_logits(hidden[_to(plan.sample_rows, self.device)])
         else:
-            picked = hidden[:0]
-        logits = self.model.compute_logits(picked) if sample_index else hidden.new_zeros((0, 0)).float()
-        return ForwardResult(sampled, num_rows, logits, picked)
+            logits = hidden.new_zeros((0, 0)).float()
+        return StepOutput(logits, hidden if plan.return_hidden_states else None, aux or {})

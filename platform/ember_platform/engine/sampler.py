@@ -232,6 +232,10 @@ class Sampler:
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
 
+    def shared_generator(self, device: torch.device) -> torch.Generator:
+        """The generator unseeded rows draw from on `device` (a rejection sampler draws from it too)."""
+        return self._shared_generator(device)
+
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._shared:
             generator = torch.Generator(device=device)

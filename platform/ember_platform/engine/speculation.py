@@ -1,15 +1,19 @@
-"""The speculator interface (documented engine API for speculator plugins) and verification.
+"""The speculator contract (documented engine API for speculator plugins) and greedy verification.
 
-A speculator proposes up to k draft tokens per request; the engine feeds them to the target
-model together with the request's newest token, in one pass, and keeps the longest prefix the
-target agrees with plus one token of its own. The scheduler only ever sees
-`request.spec_token_ids`, so proposers of any kind fit without changing it:
+A speculator proposes up to k draft tokens per request; the engine feeds them to the target model
+together with the request's newest token, in one pass, and keeps the longest prefix the target
+agrees with plus one token of its own. The scheduler only ever sees `request.spec_token_ids`, so
+proposers of any kind fit without changing it:
 
 * prompt lookup (`ngram`): deterministic, no model — `Proposal.probs` is None;
-* a draft model: returns its distributions in `Proposal.probs` so that rejection sampling keeps
-  the target's distribution exactly at temperature > 0;
-* Medusa / EAGLE heads: set `uses_hidden_states = True` and read the target's last hidden state
-  for each request from `SpeculatorContext.hidden_states` (filled by the model runner).
+* a draft model: returns its distributions in `Proposal.probs`; the engine keeps them until the target
+  verifies the drafts (`rejection.rejection_sample`), so sampling at temperature > 0 keeps the target's
+  distribution exactly. It may declare its own paged KV cache (`kv_cache_spec`), sized with the target's;
+* Medusa / EAGLE heads: `uses_hidden_states = True` (the final hidden state of every scheduled token)
+  and `aux_layers()` (EAGLE-3: low, middle and high layers), read from `SpeculatorInputs` each step.
+
+Device memory a speculator allocates itself (its weights, buffers) is declared by `memory_bytes()`,
+which the engine subtracts from the KV-cache budget before sizing the cache.
 """
 
 from __future__ import annotations
@@ -22,21 +26,38 @@ from typing import Any, ClassVar
 
 import torch
 
+from ember_platform.engine.attention import KVCache
 from ember_platform.engine.request import Request
 
 
 @dataclass(slots=True)
 class Proposal:
-    """Draft tokens for one request; `probs` [k, V] is the draft distribution, or None when the
-    proposer is deterministic (then it is the point mass on each token)."""
+    """Draft tokens for one request; `probs` [k, V] is the draft distribution each token was drawn from, or None
+    when the proposer is deterministic (then it is the point mass on each token)."""
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        if self.probs is not None and (self.probs.dim() != 2 or self.probs.shape[0] < len(self.token_ids)):
+            raise ValueError(f"Proposal.probs must be [k, V] with k >= {len(self.token_ids)} drafts, got "
+                             f"{tuple(self.probs.shape)}")
+
+
+@dataclass(frozen=True, slots=True)
+class DraftKVSpec:
+    """A speculator's own paged KV cache: the same number of blocks as the target's, so a request's block
+    table (and each token's slot) addresses both; per layer a (k, v) pair in the target's layout."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype | None = None  # None: the target's dtype
+
 
 @dataclass(slots=True)
 class SpeculatorContext:
-    """What a speculator may need to set itself up and to propose."""
+    """What a speculator may need to set itself up."""
 
     num_speculative_tokens: int
     vocab_size: int
@@ -44,21 +65,92 @@ class SpeculatorContext:
     dtype: torch.dtype
     model_dir: Path | None = None  # the package's [speculator] model directory, if any
     target_config: Mapping[str, Any] = field(default_factory=dict)
-    hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> [D], if asked
+    block_size: int = 16  # tokens per KV block (for a draft KV cache's slots)
+
+    @property
+    def num_target_layers(self) -> int:
+        return int(self.target_config.get("num_hidden_layers", 0))
+
+
+@dataclass(slots=True)
+class SpeculatorInputs:
+    """One step as a speculator sees it, after the target verified the step's drafts.
+
+    Rows of `token_ids` / `positions` / the hidden states are the step's scheduled tokens, every request of the
+    batch: request i owns rows `query_start_loc[i]` .. `query_start_loc[i] + num_kept[i]` that stay in its
+    sequence (its rejected drafts, computed but dropped, come after those and are not part of it). `token_ids` and
+    `positions` are the step plan's (on the host); hidden states, filled only when the speculator asked for them,
+    are on the target's device.
+    """
+
+    batch: list[Request]  # every request of the step, in batch order (their new tokens already appended)
+    propose_for: list[int]  # batch indices of the requests to propose drafts for, in order
+    num_speculative_tokens: int
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    query_start_loc: list[int]  # [B + 1]
+    num_kept: list[int]  # [B]
+    num_accepted: list[int]  # [B] drafts the target accepted this step (0 where none were verified)
+    hidden_states: torch.Tensor | None = None  # [T, D] final (normed) hidden states, if `uses_hidden_states`
+    aux_hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, D], if asked
+    draft_kv_caches: list[KVCache] = field(default_factory=list)  # the speculator's own, if it declared one
+
+    @property
+    def requests(self) -> list[Request]:
+        """The requests to propose for (what `propose` returns one entry for)."""
+        return [self.batch[i] for i in self.propose_for]
+
+    def rows(self, i: int) -> slice:
+        """Batch request i's kept rows."""
+        start = self.query_start_loc[i]
+        return slice(start, start + self.num_kept[i])
+
+    def last_rows(self, indices: Sequence[int] | None = None) -> torch.Tensor:
+        """[n] the row of each request's last kept token (default: the requests proposed for), on the hidden states'
+        device: `inputs.hidden_states[inputs.last_rows()]` is each request's newest hidden state."""
+        indices = self.propose_for if indices is None else indices
+        rows = [self.query_start_loc[i] + self.num_kept[i] - 1 for i in indices]
+        hidden = self.hidden_states if self.hidden_states is not None else next(iter(self.aux_hidden_states.values()),
+                                                                                 self.token_ids)
+        return torch.tensor(rows, dtype=torch.long, device=hidden.device)
 
 
 class Speculator(ABC):
-    """Proposes draft tokens. Subclasses are registered with `ember_speculators`."""
+    """Proposes draft tokens. Subclasses are registered with `ember_speculators`.
 
-    uses_hidden_states: ClassVar[bool] = False
+    Constructed once per engine, after the model loads and before the KV cache is sized. `propose` is called
+    once per step that ran the model (with `propose_for` empty when no request can take drafts), so a
+    speculator that keeps per-request state (a draft KV cache) sees every token, prompts included.
+    """
+
+    uses_hidden_states: ClassVar[bool] = False  # the final hidden state of every scheduled token
 
     def __init__(self, options: Mapping[str, Any], context: SpeculatorContext) -> None:
         self.options = dict(options)
         self.context = context
+        self.kv_caches: list[KVCache] = []
+
+    def aux_layers(self) -> tuple[int, ...]:
+        """Layers whose input hidden state (transformers' `hidden_states[i]`; 0 = the embeddings) to receive for
+        every scheduled token, e.g. EAGLE-3's `(2, n // 2, n - 3)` for `n = context.num_target_layers`."""
+        return ()
+
+    def memory_bytes(self) -> int:
+        """Device memory this speculator allocates itself (weights, buffers; not its KV cache), in bytes."""
+        return 0
+
+    def kv_cache_spec(self) -> DraftKVSpec | None:
+        """The paged KV cache this speculator wants the engine to allocate beside the target's, or None."""
+        return None
+
+    def bind_kv_cache(self, kv_caches: list[KVCache]) -> None:
+        """Receive the cache `kv_cache_spec` asked for (again after the engine sleeps and wakes)."""
+        self.kv_caches = kv_caches
 
     @abstractmethod
-    def propose(self, requests: Sequence[Request], num_tokens: int) -> list[Proposal | None]:
-        """Up to `num_tokens` drafts for each request (None or an empty proposal: no drafts)."""
+    def propose(self, inputs: SpeculatorInputs) -> list[Proposal | None]:
+        """Up to `inputs.num_speculative_tokens` drafts for each request of `inputs.requests` (None or an empty
+        proposal: no drafts)."""
 
     def release(self, request_id: str) -> None:  # noqa: B027 - optional: proposers with state free it
         """Forget a finished request (draft models free its draft KV here)."""
@@ -76,36 +168,4 @@ def verify_greedy(target_ids: Sequence[int], draft_ids: Sequence[int]) -> list[i
             break
         accepted.append(draft)
     accepted.append(target_ids[len(accepted)])
-    return accepted
-
-
-def verify_rejection(target_probs: torch.Tensor, draft_ids: Sequence[int], draft_probs: torch.Tensor | None,
-                     generator: torch.Generator | None) -> list[int]:
-    """Rejection sampling (Leviathan et al.): the output follows `target_probs` exactly.
-
-    target_probs: [k+1, V] the target's processed distribution at each position;
-    draft_probs: [k, V], or None for a deterministic proposer (a point mass on each draft).
-    """
-    k = len(draft_ids)
-    device = target_probs.device
-    uniforms = torch.rand(k + 1, generator=generator, device=device) if k else None
-    accepted: list[int] = []
-    for i, x in enumerate(draft_ids):
-        p = target_probs[i]
-        q_x = 1.0 if draft_probs is None else float(draft_probs[i, x])
-        assert uniforms is not None
-        if q_x > 0 and float(uniforms[i]) < min(1.0, float(p[x]) / q_x):
-            accepted.append(x)
-            continue
-        # Rejected: resample from the residual max(0, p - q), renormalized.
-        if draft_probs is None:
-            residual = p.clone()
-            residual[x] = 0
-        else:
-            residual = torch.clamp(p - draft_probs[i], min=0)
-        total = residual.sum()
-        residual = residual / total if total > 0 else p
-        accepted.append(int(torch.multinomial(residual, 1, generator=generator)))
-        return accepted
-    accepted.append(int(torch.multinomial(target_probs[k], 1, generator=generator)))
     return accepted

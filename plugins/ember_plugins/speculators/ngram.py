@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ember_platform.api import Proposal, Request, Speculator, SpeculatorContext
+from ember_platform.api import Proposal, Request, Speculator, SpeculatorContext, SpeculatorInputs
 
 
 @dataclass(slots=True)
@@ -59,8 +59,9 @@ class NgramSpeculator(Speculator):
         self.adaptive = bool(self.options.get("adaptive", True))
         self._states: dict[str, _RequestState] = {}
 
-    def propose(self, requests: Sequence[Request], num_tokens: int) -> list[Proposal | None]:
-        return [self._propose_one(req, num_tokens) for req in requests]
+    def propose(self, inputs: SpeculatorInputs) -> list[Proposal | None]:
+        k = inputs.num_speculative_tokens
+        return [self._propose_one(req, k) for req in inputs.requests]
 
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)

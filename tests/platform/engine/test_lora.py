@@ -29,6 +29,7 @@ from ember_platform.engine.lora import LoRAAdapterError  # noqa: E402
 from ember_platform.engine.lora_layer import LoRALinear  # noqa: E402
 from ember_platform.engine.lora_manager import UnknownLoRAError  # noqa: E402
 from ember_platform.engine.models.layers import PackedLinear  # noqa: E402
+from ember_platform.engine.step_plan import StepPlan  # noqa: E402
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[3] / "examples" / "tiny-llama" / "weights"
 NEW_TOKENS = 32
@@ -172,7 +173,7 @@ def test_mixed_batch_logits_match_peft(setup: Setup) -> None:
         engine.add_request(str(i), prompt, GREEDY, lora_name=name)
     batch = engine.scheduler.schedule()
     assert len(batch) == len(names)
-    result = engine.runner.execute(batch)
+    result = engine.executor.execute(StepPlan.build(batch.requests, batch.num_tokens))
     for row, name in enumerate(names):
         with torch.no_grad():
             ref = setup.references[name](torch.tensor([prompt])).logits[0, -1].float()
@@ -311,7 +312,8 @@ def test_lora_wraps_whatever_module_the_quantizer_left(setup: Setup) -> None:
 
     def last_logits(engine: LLMEngine, lora: str | None) -> torch.Tensor:
         engine.add_request("r", prompt, GREEDY, lora_name=lora)
-        logits = engine.runner.execute(engine.scheduler.schedule()).logits[0]
+        batch = engine.scheduler.schedule()
+        logits = engine.executor.execute(StepPlan.build(batch.requests, batch.num_tokens)).logits[0]
         engine.abort("r")
         return logits
 

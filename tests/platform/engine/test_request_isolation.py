@@ -58,7 +58,7 @@ def test_a_request_that_breaks_the_sampler_fails_alone(llm: LLM) -> None:
 def test_forward_failures_fail_their_requests_and_only_repeated_ones_break_the_engine(
         llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = llm.engine
-    real_execute = engine.runner.execute
+    real_execute = engine.executor.execute
     failures = {"left": 1}
 
     def flaky(batch):  # a fault injected into the real forward pass: the first call raises as a device error would
@@ -67,7 +67,7 @@ def test_forward_failures_fail_their_requests_and_only_repeated_ones_break_the_e
             raise RuntimeError("injected device failure")
         return real_execute(batch)
 
-    monkeypatch.setattr(engine.runner, "execute", flaky)
+    monkeypatch.setattr(engine.executor, "execute", flaky)
     first = llm.generate([PROMPTS[0]], GREEDY)[0]
     assert first.finish_reason == "error" and "forward pass" in (first.error or "")
     again = llm.generate([PROMPTS[0]], GREEDY)[0]

@@ -25,9 +25,9 @@ def test_sleep_frees_the_cache_and_a_request_wakes_it_with_the_same_output() -> 
     params = SamplingParams(temperature=0, max_tokens=24)
     before = llm.generate([PROMPT], params)[0].token_ids
 
-    cache_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in engine.runner.kv_caches)
+    cache_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in engine.executor.kv_caches)
     assert cache_bytes > 64 << 20
-    for k, v in engine.runner.kv_caches:  # a used cache: every page resident, and not zero
+    for k, v in engine.executor.kv_caches:  # a used cache: every page resident, and not zero
         k.fill_(1.0)
         v.fill_(1.0)
     rss = resident_bytes()

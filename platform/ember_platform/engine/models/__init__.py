@@ -20,6 +20,7 @@ from ember_platform.engine.kernel_ops import KernelOps
 from ember_platform.engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from ember_platform.engine.models.loader import LoadedWeights, load_weights
 from ember_platform.engine.models.mixtral import MixtralForCausalLM
+from ember_platform.engine.parallel import ParallelContext
 
 CausalLM = LlamaForCausalLM  # the interface every model class implements (they all derive from it today)
 
@@ -70,19 +71,21 @@ def config_dtype(config: Mapping[str, Any]) -> torch.dtype:
 
 def build_model(config: Mapping[str, Any] | str | Path, attn_backend: AttentionBackendFactory,
                 dtype: torch.dtype | None = None, device: torch.device | str = "cpu", *,
-                ops: KernelOps | None = None) -> CausalLM:
+                ops: KernelOps | None = None, parallel: ParallelContext | None = None) -> CausalLM:
     """Construct the model for `config` on the meta device (no memory); `load_weights` fills it.
 
     `attn_backend` is an attention backend class (or factory), called once per distinct attention
     configuration as `attn_backend(sliding_window=None | int, ops=ops)`. `dtype` defaults to the config's.
     `ops` is the kernel-op table every layer calls (an engine's is `KernelOps.from_plugins(its plugins)`);
     None: `KernelOps.reference()`, plain torch.
+    `parallel` is the rank the model is built for (stored as `model.parallel`; None: one device, no groups).
     """
     cfg = read_config(config)
     cls = model_class(cfg)
     with torch.device("meta"):
         model = cls(cfg, attn_backend, dtype=dtype or config_dtype(cfg), device=device,
                     ops=ops if ops is not None else KernelOps.reference())
+    model.parallel = parallel if parallel is not None else ParallelContext.single(device)
     return model.eval()
 
 

@@ -149,12 +149,14 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(args.head_dim, args.rope)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[KVCache]) -> torch.Tensor:
+                kv_caches: list[KVCache], aux_hidden: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, D]
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, h.dtype)  # [T, hd] each, shared by every layer
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if aux_hidden is not None and i in aux_hidden:  # the residual stream entering layer i, for a speculator
+                aux_hidden[i] = h.clone() if residual is None else h + residual  # fused norms add in place
             h, residual = layer(h, residual, cos, sin, meta, kv_cache)
         return self.norm(h, residual)[0]
 
@@ -212,9 +214,12 @@ class LlamaForCausalLM(nn.Module):
         return name, None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[KVCache]) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, D]; kv_caches: one (k, v) pair per layer."""
-        return self.model(input_ids, positions, meta, kv_caches)
+                kv_caches: list[KVCache], aux_hidden: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, D]; kv_caches: one (k, v) pair per layer.
+
+        `aux_hidden`: layer index -> filled with the hidden state entering that layer ([T, D]; 0 is the
+        embeddings), i.e. transformers' `hidden_states[i]`, for speculators that read intermediate layers."""
+        return self.model(input_ids, positions, meta, kv_caches, aux_hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, D] -> float32 logits [N, V]."""
