@@ -211,7 +211,7 @@ class Gateway:
         try:
             response = await self.proxy.forward(name, path, body, request_id=request_id, endpoint=endpoint,
                                                 received_at=received_at, receive=request.receive,
-                                                key=getattr(request.state, API_KEY_STATE, None))
+                                                key=getattr(request.state, API_KEY_STATE, None), payload=payload)
         except ControlError as e:
             error = control_error(e, model=model)
             self.metrics.count(name if not isinstance(e, DeploymentNotFound) else "", endpoint, error.status)

@@ -15,6 +15,7 @@ fails answers that request 500 naming the plugin; the gateway and other requests
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import threading
@@ -53,18 +54,20 @@ class RequestPreprocessor:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def prepare(self, version: DeploymentVersion, body: bytes, *, timeout: float) -> bytes:
-        """`body` after the version's hooks (re-encoded JSON), or `body` itself when no hook implements the chain.
+    async def prepare(self, version: DeploymentVersion, body: bytes, *, timeout: float,
+                      payload: dict[str, Any] | None = None) -> bytes:
+        """`body` after the version's hooks (re-encoded JSON), or `body` itself when no hook changed it.
 
-        Raises ProtocolError: 500 naming the plugin whose hook failed (or whose hooks.py cannot load), 504 when the
-        chain runs longer than `timeout`."""
+        `payload`: `body` already parsed, which the hooks may then change in place (it saves parsing a large body
+        again). Raises ProtocolError: 500 naming the plugin whose hook failed (or whose hooks.py cannot load), 504
+        when the chain runs longer than `timeout`."""
         loop = asyncio.get_running_loop()
         host = self._hosts.get(version.package_dir)
         if host is None:
             host = await loop.run_in_executor(self._pool, self._host, version)
         if not host.pm.hook.ember_preprocess_request.get_hookimpls():
             return body
-        future = loop.run_in_executor(self._pool, _run_chain, host, version.manifest, body)
+        future = loop.run_in_executor(self._pool, _run_chain, host, version.manifest, body, payload)
         try:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
@@ -86,16 +89,23 @@ class RequestPreprocessor:
             return host
 
 
-def _run_chain(host: PluginHost, manifest: Manifest, body: bytes) -> bytes:
-    """The chain over one body (in a worker thread). The gateway has checked that the body is a JSON object."""
-    request = request_body.loads(body)
+def _run_chain(host: PluginHost, manifest: Manifest, body: bytes, payload: dict[str, Any] | None) -> bytes:
+    """The chain over one body (in a worker thread). The gateway has checked that the body is a JSON object.
+
+    Encoding the result holds the GIL, the event loop's too, for tens of ms on a multi-megabyte prompt: a request
+    the hooks left as it was (compared with a copy that shares its strings, so the copy costs little) goes on as
+    the client's own bytes."""
+    request = payload if payload is not None else request_body.loads(body)
     if not isinstance(request, dict):  # not expected here: the gateway refuses other bodies first
         return body
+    sent = copy.deepcopy(request)
     try:
         result: Any = host.preprocess_request(request, manifest)
     except EmberError as e:  # PluginHost names the plugin: "package hooks.py: ember_preprocess_request raised ..."
         log.error("a request hook of %s failed: %s", manifest.reference, e)
         raise _hook_failed(manifest, str(e)) from None
+    if result == sent:
+        return body
     try:
         return json.dumps(result, ensure_ascii=False, allow_nan=False).encode()
     except (TypeError, ValueError) as e:

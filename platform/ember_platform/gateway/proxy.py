@@ -19,7 +19,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx
 
@@ -111,17 +111,18 @@ class Proxy:
         self.preprocessor.close()
 
     async def forward(self, name: str, path: str, body: bytes, *, request_id: str, endpoint: str,
-                      received_at: float, receive: Callable, key: str | None = None) -> UpstreamResponse | None:
+                      received_at: float, receive: Callable, key: str | None = None,
+                      payload: dict[str, Any] | None = None) -> UpstreamResponse | None:
         """Open `path` on a replica of deployment NAME; raises ControlError subclasses when none can take it (or the
         admission gate turns the request away: QueueFull, NoReplicaAvailable). `key`: the API key's name, for the
-        gate's per-key limit.
+        gate's per-key limit. `payload`: `body` parsed, if the caller has it (the request hooks may change it).
 
         Returns None when the client left first: while the request waited for a replica, or for the response
         headers (which a replica sends only at the end of an answer that is not streamed); the request is then
         cancelled, which closes its connection to the replica, which aborts it.
         """
         opening = asyncio.ensure_future(self._admit_and_open(name, path, body, request_id, endpoint, received_at,
-                                                             key))
+                                                             key, payload))
         watch = asyncio.ensure_future(_wait_for_disconnect(receive))
         try:
             await asyncio.wait({opening, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -137,13 +138,14 @@ class Proxy:
         return opening.result()
 
     async def _admit_and_open(self, name: str, path: str, body: bytes, request_id: str, endpoint: str,
-                              received_at: float, key: str | None) -> UpstreamResponse:
+                              received_at: float, key: str | None,
+                              payload: dict[str, Any] | None = None) -> UpstreamResponse:
         """A place in NAME's admission gate, then the replica's response; the place goes back when the response ends
         (the finisher), or here on every other way out (refused, failed, cancelled).
 
         The request hooks run first (gateway/preprocess.py): a request they refuse takes no place in the gate."""
         dep = self.plane.get(name)
-        bodies = {dep.active_version: await self.preprocessor.prepare(dep.active, body,
+        bodies = {dep.active_version: await self.preprocessor.prepare(dep.active, body, payload=payload,
                                                                       timeout=dep.request_timeout)}
         if self.admission is None:
             return await self._open(name, path, body, bodies, request_id, endpoint, received_at, None)
