@@ -89,7 +89,7 @@ class LLMEngine:
         self.plugins.check_manifest(manifest, source=str(source.root / "ember.toml"))
         self.hardware = self.plugins.hardware(manifest)
         self.selections: dict[str, SelectionReport] = self.plugins.select_all(manifest, self.hardware)
-        self.device = torch.device("cuda" if self.hardware.is_cuda else "cpu")  # the driver's (sampling) device
+        self.device = torch.device("cuda" if self.hardware.is_cuda else "cpu")  # its type picks the dtype
         self.hf_config = read_hf_config(source.weights_dir)
         self.dtype = resolve_dtype(manifest.runtime.dtype, self.hf_config, self.device,
                                    native_bf16=bool(self.hardware.cpu_features & NATIVE_BF16_CPU_FEATURES))
@@ -103,6 +103,7 @@ class LLMEngine:
             attention=self._technique("attention"), kernel_ops=self.kernel_ops, quantization=quant, manifest=manifest,
             hardware=self.hardware, plugins=self.plugins, lora_options=lora_options)
         self.executor = self._make_executor(worker_config)
+        self.device = self.executor.parallel_context(0).device  # rank 0's: logits, generators and KV tiers live there
         report = self.executor.load_model()
         self.timings.update(report.timings)
         self.quantized_from_cache = report.quantized_from_cache

@@ -82,6 +82,9 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.end_step()
+        if aux is not None and any(v is None for v in aux.values()):
+            raise RuntimeError(f"{type(self.model).__name__} filled no hidden states for layers "
+                               f"{[i for i, v in aux.items() if v is None]} (its forward ignores aux_hidden)")
         if plan.sample_rows.numel():
             logits = self.model.compute_logits(hidden[_to(plan.sample_rows, self.device)])
         else:

@@ -53,7 +53,8 @@ class SpecDecoder:
             batch=list(batch), propose_for=eligible, num_speculative_tokens=self.k, token_ids=plan.input_ids,
             positions=plan.positions, query_start_loc=plan.query_start_loc, num_kept=num_kept,
             num_accepted=num_accepted, hidden_states=output.hidden_states,
-            aux_hidden_states=output.aux_hidden_states, draft_kv_caches=self.draft_kv_caches)
+            aux_hidden_states=output.aux_hidden_states, draft_kv_caches=self.draft_kv_caches, plan=plan,
+            block_size=self.speculator.context.block_size)
         proposals = self.speculator.propose(inputs)
         if len(proposals) != len(eligible):
             raise ValueError(f"speculator {type(self.speculator).__name__} returned {len(proposals)} proposals "

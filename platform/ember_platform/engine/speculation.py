@@ -22,12 +22,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ember_platform.engine.attention import KVCache
+from ember_platform.engine.attention import AttentionMetadata, KVCache
 from ember_platform.engine.request import Request
+
+if TYPE_CHECKING:
+    from ember_platform.engine.step_plan import StepPlan
 
 
 @dataclass(slots=True)
@@ -94,6 +97,17 @@ class SpeculatorInputs:
     hidden_states: torch.Tensor | None = None  # [T, D] final (normed) hidden states, if `uses_hidden_states`
     aux_hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, D], if asked
     draft_kv_caches: list[KVCache] = field(default_factory=list)  # the speculator's own, if it declared one
+    plan: StepPlan | None = None  # the step as the target ran it (block tables, query and sequence lengths)
+    block_size: int = 16
+
+    def attention_metadata(self, device: torch.device | str | None = None) -> AttentionMetadata:
+        """The paged-attention metadata of this step's tokens (their slots in the target's blocks, which index a
+        draft KV cache too): what a draft model needs to write its KV for these tokens and attend over them."""
+        from ember_platform.engine.model_runner import plan_metadata  # the worker's builder: one way to build it
+
+        if self.plan is None:
+            raise ValueError("these inputs carry no step plan")
+        return plan_metadata(self.plan, self.block_size, torch.device(device or self.token_ids.device))
 
     @property
     def requests(self) -> list[Request]:

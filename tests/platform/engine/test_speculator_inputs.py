@@ -87,3 +87,19 @@ def test_draft_kv_cache_and_declared_memory_are_budgeted(hidden_lookup) -> None:
     for pos in (0, 17, 100):
         block = req_blocks[pos // 16]
         torch.testing.assert_close(k_cache[block, 0, pos % 16], record["aux"][2][pos])
+
+
+def test_rows_and_last_rows_address_each_requests_kept_tokens() -> None:
+    from ember_platform.engine.request import Request
+    from ember_platform.engine.speculation import SpeculatorInputs
+
+    reqs = [Request(str(i), [1, 2, 3], GREEDY, arrival=i) for i in range(3)]
+    hidden = torch.arange(9, dtype=torch.float32)[:, None].repeat(1, 4)  # row r holds r
+    # Request 0: a 4-token prefill chunk; 1: one decode token; 2: the newest token + 3 drafts, 1 accepted.
+    inputs = SpeculatorInputs(batch=reqs, propose_for=[1, 2], num_speculative_tokens=3,
+                              token_ids=torch.zeros(9, dtype=torch.long), positions=torch.zeros(9, dtype=torch.long),
+                              query_start_loc=[0, 4, 5, 9], num_kept=[4, 1, 2], num_accepted=[0, 0, 1],
+                              hidden_states=hidden)
+    assert inputs.requests == reqs[1:]
+    assert (inputs.rows(0), inputs.rows(2)) == (slice(0, 4), slice(5, 7))
+    assert hidden[inputs.last_rows()][:, 0].tolist() == [4.0, 6.0]  # rejected drafts (rows 7, 8) are not kept
