@@ -16,6 +16,7 @@ Three groups:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ember.hooks import hookspec
@@ -29,9 +30,15 @@ if TYPE_CHECKING:
 
 
 class Register(Protocol):
-    """The callback registration hooks receive."""
+    """The callback registration hooks receive.
 
-    def __call__(self, name: str, impl: Any, *, summary: str = "") -> None: ...
+    `options`: the keys of `[quantization] options`, `[speculator] options` or `[kernels] options` (and of a
+    selection's options) that the technique reads; a speculator that reads `[speculator] model` declares "model".
+    Any other key is refused when a package is built or loaded, since nothing would read it; a technique that
+    declares none takes no options.
+    """
+
+    def __call__(self, name: str, impl: Any, *, summary: str = "", options: Iterable[str] = ()) -> None: ...
 
 
 # --- registration -------------------------------------------------------------------------

@@ -29,11 +29,16 @@ from ember.hardware import Hardware, detect_hardware
 from ember.hooks import NAME, hookimpl
 from ember.kernel_ops import REGISTER_HOOK, KernelOpRegistry, collect_kernel_ops
 from ember.manifest import AUTO, NONE, Manifest, load_manifest
+from ember.manifest.unsupported import refuse_unconsumed_selection
 from ember.postprocess import FilterStage, OutputHookError, OutputPipeline, WholeOutputStage
 from ember.selection import Selection, SelectionReport
 from ember.techniques import KINDS, SELECTABLE, Technique, TechniqueRegistry
 
 DISABLE_ENV = "EMBER_DISABLE_PLUGINS"
+# The manifest section whose `options` go to the selected technique of each kind.
+_OPTION_SECTIONS = {"quantization": "quantization", "speculator": "speculator", "attention": "kernels"}
+# Option keys Ember puts in a selection's options for itself (the engine reads them, not the technique).
+_EMBER_OPTION_KEYS = {"speculator": frozenset({"num_speculative_tokens", "max_batch_size"})}
 HOOKS_FILE = "hooks.py"
 MANIFEST_PLUGIN = "ember.manifest"
 
@@ -143,9 +148,11 @@ class PluginHost:
             registry = TechniqueRegistry()
             for spec in KINDS.values():
                 for plugin_name, call in self._impls(spec.register_hook):
-                    def register(name: str, impl: Any, *, summary: str = "", _p: str = plugin_name,
-                                 _k: str = spec.kind) -> None:
-                        registry.add(Technique(_k, name, impl, _p, summary))
+                    def register(name: str, impl: Any, *, summary: str = "", options: Iterable[str] = (),
+                                 _p: str = plugin_name, _k: str = spec.kind) -> None:
+                        if isinstance(options, str):  # options="bits" would declare "b", "i", "t", "s"
+                            options = (options,)
+                        registry.add(Technique(_k, name, impl, _p, summary, tuple(options)))
                     call(register=register)
             self._registry = registry
         return self._registry
@@ -174,14 +181,35 @@ class PluginHost:
     # --- manifest checks and selection ----------------------------------------------------
 
     def check_manifest(self, manifest: Manifest, source: str = "ember.toml") -> None:
-        """Every technique the manifest names explicitly must be provided by an installed plugin."""
+        """Every technique the manifest names explicitly must be provided by an installed plugin, and every option
+        it gives must be one that technique reads (`register(..., options=...)`)."""
         for kind in SELECTABLE:
             spec = KINDS[kind]
             assert spec.manifest_key is not None
             value = _manifest_value(manifest, spec.manifest_key)
-            if value in spec.reserved or self.techniques.get(kind, value) is not None:
-                continue
-            raise PluginError(f"{source}: {spec.manifest_key}: {unknown_technique_message(self, kind, value)}")
+            if value not in spec.reserved and self.techniques.get(kind, value) is None:
+                raise PluginError(f"{source}: {spec.manifest_key}: {unknown_technique_message(self, kind, value)}")
+            given = _given_options(manifest, kind)
+            if given and value in spec.reserved:
+                # The manifest's options go to the technique it names: with "none" or "auto" none gets them.
+                raise PluginError(f"{source}: {_option_key(kind, given[0])}: nothing reads it: {spec.manifest_key} "
+                                  f"= {value!r} names no technique to pass it to")
+            if given:
+                self._check_options(kind, value, given, source)
+
+    def _check_options(self, kind: str, name: str, given: Iterable[str], where: str) -> None:
+        """PluginError for the first option key the technique `name` does not declare that it reads."""
+        technique = self.techniques.get(kind, name)
+        if technique is None or kind not in _OPTION_SECTIONS:
+            return
+        unread = sorted(set(given) - set(technique.options) - _EMBER_OPTION_KEYS.get(kind, frozenset()))
+        if not unread:
+            return
+        reads = f"reads only {', '.join(technique.options)}" if technique.options else "reads no options"
+        close = difflib.get_close_matches(unread[0], technique.options, n=1)
+        hint = f" — did you mean '{close[0]}'?" if close else ""
+        raise PluginError(f"{where}: {_option_key(kind, unread[0])}: not supported by {kind} '{name}' "
+                          f"({self._describe(technique.plugin)}), which {reads}{hint}")
 
     def select(self, kind: str, manifest: Manifest, hardware: Hardware | None = None) -> SelectionReport:
         """Ask the selection hook for `kind`; report the winner and who decided."""
@@ -208,7 +236,12 @@ class PluginHost:
             if not options and (kind == "parallelism"
                                 or selection.name == _manifest_value(manifest, spec.manifest_key or "")):
                 options = _manifest_options(manifest, kind)
-            return SelectionReport(kind, selection.name, dict(options), selection.reason, decided_by)
+            report = SelectionReport(kind, selection.name, dict(options), selection.reason, decided_by)
+            read_by_technique = [*report.options, *(["model"] if kind == "speculator"
+                                                    and manifest.speculator.model is not None else [])]
+            refuse_unconsumed_selection(report, manifest)
+            self._check_options(kind, report.name, read_by_technique, decided_by)
+            return report
         article = "an" if kind[0] in "aeiou" else "a"
         raise PluginError(f"no installed plugin provides {article} {kind} technique for {hardware.describe()} "
                           f"(set {spec.manifest_key} in ember.toml, or install a plugin that provides one)")
@@ -324,6 +357,23 @@ def _manifest_value(manifest: Manifest, dotted_key: str) -> Any:
     for part in dotted_key.split("."):
         value = getattr(value, part)
     return value
+
+
+def _given_options(manifest: Manifest, kind: str) -> list[str]:
+    """The option keys the manifest gives the technique of `kind` (a speculator's `model` counts as one)."""
+    section = _OPTION_SECTIONS.get(kind)
+    if section is None:
+        return []
+    given = sorted(getattr(manifest, section).options)
+    if kind == "speculator" and manifest.speculator.model is not None:
+        given.append("model")
+    return given
+
+
+def _option_key(kind: str, option: str) -> str:
+    """The manifest key an option comes from: `quantization.options.bits`; a speculator's model: `speculator.model`."""
+    return "speculator.model" if (kind, option) == ("speculator", "model") else \
+        f"{_OPTION_SECTIONS[kind]}.options.{option}"
 
 
 def _manifest_options(manifest: Manifest, kind: str) -> dict[str, Any]:

@@ -47,6 +47,7 @@ class Technique:
     impl: Any
     plugin: str
     summary: str = ""
+    options: tuple[str, ...] = ()  # the option keys it reads (`register(..., options=...)`); others are refused
 
     def load(self) -> Any:
         if not isinstance(self.impl, str):

@@ -118,8 +118,8 @@ def test_lora_section(pkg: Path) -> None:
 
 
 def test_serving_section(pkg: Path) -> None:
-    m = load_manifest(write(pkg, '[serving]\ndisaggregated = true\nrequest_timeout = "2m"\n'))
-    assert m.serving.disaggregated and m.serving.request_timeout == 120.0
+    m = load_manifest(write(pkg, '[serving]\ndisaggregated = false\nrequest_timeout = "2m"\n'))
+    assert not m.serving.disaggregated and m.serving.request_timeout == 120.0
     assert "serving.max_queue: Input should be greater than or equal to 0" in error_of(
         pkg, "[serving]\nmax_queue = -1\n")
 

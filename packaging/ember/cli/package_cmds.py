@@ -61,9 +61,11 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from ember.manifest import load_manifest
     from ember.package import verify_package
 
     lock = verify_package(args.dir)
+    load_manifest(args.dir)  # its files are the locked ones; what it asks for must be what Ember can do
     console.print(f"verified [bold]{lock.reference}[/] {lock.digest} — {len(lock.files)} files match ember.lock")
     return 0
 

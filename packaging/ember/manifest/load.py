@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from ember.errors import ManifestError
 from ember.manifest.schema import Manifest
+from ember.manifest.unsupported import refuse_unsupported
 
 MANIFEST_NAME = "ember.toml"
 
@@ -45,15 +46,18 @@ def load_manifest(path: str | Path, *, check_files: bool = True) -> Manifest:
 
 def parse_manifest(data: dict[str, Any], *, source: str = MANIFEST_NAME,
                    package_dir: Path | None = None) -> Manifest:
-    """Validate manifest data already parsed from TOML."""
+    """Validate manifest data already parsed from TOML; settings nothing consumes yet are refused
+    (manifest/unsupported.py)."""
     try:
-        return Manifest.model_validate(data, context={"package_dir": package_dir})
+        manifest = Manifest.model_validate(data, context={"package_dir": package_dir})
     except ValidationError as e:
         problems = [describe_error(err) for err in e.errors()]
         if len(problems) == 1:
             raise ManifestError(f"{source}: {problems[0]}") from None
         listing = "\n".join(f"  - {p}" for p in problems)
         raise ManifestError(f"{source}: {len(problems)} problems:\n{listing}") from None
+    refuse_unsupported(manifest, source)
+    return manifest
 
 
 def dotted(loc: tuple[int | str, ...]) -> str:
