@@ -24,9 +24,22 @@ _EXPORTS: dict[str, str] = {
     "write_kv": "ember_platform.engine.attention",  # the torch reference; backends call ops.write_kv
     # kernel ops (ember_kernel_ops): the table a model and its attention backends are built with
     "KernelOps": "ember_platform.engine.kernel_ops",
-    # quantizers (ember_quantizers)
+    # quantizers (ember_quantizers): a technique picks each layer's LinearMethod
     "Quantizer": "ember_platform.engine.quantization",
-    "linear_layers": "ember_platform.engine.quantization",
+    "QuantizationContext": "ember_platform.engine.quantization",
+    "QuantizationError": "ember_platform.engine.quantization",
+    "skipped": "ember_platform.engine.quantization",
+    "Linear": "ember_platform.engine.linear_method",
+    "LinearMethod": "ember_platform.engine.linear_method",
+    "LinearSpec": "ember_platform.engine.linear_method",
+    "UNQUANTIZED": "ember_platform.engine.linear_method",
+    "UnquantizedLinearMethod": "ember_platform.engine.linear_method",
+    "copy_shard": "ember_platform.engine.linear_method",
+    "linear_modules": "ember_platform.engine.linear_method",
+    "CalibrationContext": "ember_platform.engine.calibration",
+    "ModelStructure": "ember_platform.engine.models.structure",
+    "NormFeed": "ember_platform.engine.models.structure",
+    "AttentionBlock": "ember_platform.engine.models.structure",
     # speculators (ember_speculators)
     "Proposal": "ember_platform.engine.speculation",
     "Request": "ember_platform.engine.request",
@@ -58,10 +71,21 @@ if TYPE_CHECKING:
         kv_cache_block_shape,
         write_kv,
     )
+    from ember_platform.engine.calibration import CalibrationContext
     from ember_platform.engine.executor import Executor
     from ember_platform.engine.kernel_ops import KernelOps
+    from ember_platform.engine.linear_method import (
+        UNQUANTIZED,
+        Linear,
+        LinearMethod,
+        LinearSpec,
+        UnquantizedLinearMethod,
+        copy_shard,
+        linear_modules,
+    )
+    from ember_platform.engine.models.structure import AttentionBlock, ModelStructure, NormFeed
     from ember_platform.engine.parallel import ParallelContext
-    from ember_platform.engine.quantization import Quantizer, linear_layers
+    from ember_platform.engine.quantization import QuantizationContext, QuantizationError, Quantizer, skipped
     from ember_platform.engine.request import Request
     from ember_platform.engine.speculation import DraftKVSpec, Proposal, Speculator, SpeculatorContext, SpeculatorInputs
     from ember_platform.engine.step_plan import StepOutput, StepPlan

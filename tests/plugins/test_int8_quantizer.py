@@ -11,9 +11,11 @@ from torch import nn
 
 from ember_kernels.cpu.int8_linear import int8_linear_available
 from ember_platform import LLM, SamplingParams
+from ember_platform.api import UNQUANTIZED, KernelOps, Linear, LinearSpec
 from ember_plugins.quantization.int8 import (
     INT8PACK_DENSE_THRESHOLD,
     Int8Linear,
+    Int8LinearMethod,
     Int8Quantizer,
     fbgemm_available,
     quantize_per_channel,
@@ -28,13 +30,13 @@ KERNELS = [
 ]
 
 
-def layer(out_features: int = 48, in_features: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def layer_weights(out_features: int = 48, in_features: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(out_features, in_features, generator=gen) * 0.05, torch.randn(out_features, generator=gen)
 
 
 def test_per_channel_quantization_round_trips_within_half_a_step() -> None:
-    weight, _ = layer()
+    weight, _ = layer_weights()
     qweight, scale = quantize_per_channel(weight)
     assert qweight.dtype == torch.int8 and scale.shape == (weight.shape[0],)
     assert int(qweight.abs().max()) == 127  # each row's largest weight uses the whole range
@@ -44,7 +46,7 @@ def test_per_channel_quantization_round_trips_within_half_a_step() -> None:
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_kernel_computes_the_linear_map(kernel: str, dtype: torch.dtype) -> None:
-    weight, bias = layer()
+    weight, bias = layer_weights()
     x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(1))  # [..., in] with two leading dims
     expected = x @ weight.T + bias
     y = Int8Linear(weight.to(dtype), bias.to(dtype), kernel)(x.to(dtype))
@@ -55,7 +57,7 @@ def test_each_kernel_computes_the_linear_map(kernel: str, dtype: torch.dtype) ->
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_a_row_does_not_depend_on_its_batch(kernel: str) -> None:
-    weight, bias = layer()
+    weight, bias = layer_weights()
     module = Int8Linear(weight, bias, kernel)
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
     x[1] *= 1000  # an outlier row: with one activation scale for the whole batch it would coarsen the others
@@ -65,7 +67,7 @@ def test_a_row_does_not_depend_on_its_batch(kernel: str) -> None:
 
 
 def test_dense_path_dequantizes_once() -> None:
-    weight, bias = layer()
+    weight, bias = layer_weights()
     module = Int8Linear(weight, bias, "int8pack", dense_threshold=4)
     x = torch.randn(8, 64)
     first = module(x)
@@ -77,21 +79,42 @@ def test_dense_path_dequantizes_once() -> None:
     assert module._dense is dense
 
 
-def test_quantizer_replaces_linears_but_skipped_ones() -> None:
-    model = nn.Sequential()
-    model.add_module("proj", nn.Linear(64, 32))
-    model.add_module("lm_head", nn.Linear(32, 16))
-    Int8Quantizer({"kernel": "int8pack"}).quantize(model)
-    assert isinstance(model.proj, Int8Linear) and isinstance(model.lm_head, nn.Linear)
-    assert model.proj.kernel == "int8pack" and model.proj.dense_threshold == INT8PACK_DENSE_THRESHOLD
+def quantized_layer(quantizer: Int8Quantizer, prefix: str = "model.layers.0.mlp.down_proj",
+                    out_features: int = 32, in_features: int = 64) -> Linear:
+    """A layer built and loaded as the engine does: the method the quantizer picks for it, its weight, then
+    `after_loading` (through `finish_loading`)."""
+    spec = LinearSpec(prefix, in_features, ((None, out_features),), False, torch.float32, (prefix,))
+    layer = Linear(in_features, out_features, ops=KernelOps.reference(), method=quantizer.linear_method(spec,
+                                                                                                      UNQUANTIZED))
+    layer.weight = nn.Parameter(layer_weights(out_features, in_features)[0], requires_grad=False)
+    layer.finish_loading()
+    return layer
+
+
+def test_quantizer_picks_int8_but_for_skipped_layers() -> None:
+    quantizer = Int8Quantizer({"kernel": "int8pack"})
+    proj, lm_head = quantized_layer(quantizer), quantized_layer(quantizer, "lm_head", 16, 32)
+    assert isinstance(proj.method, Int8LinearMethod) and proj.weight.dtype == torch.int8
+    assert lm_head.method is UNQUANTIZED and lm_head.weight.dtype == torch.float32
+    assert proj.kernel == "int8pack" and proj.dense_threshold == INT8PACK_DENSE_THRESHOLD
+    skip = Int8Quantizer({"skip": ["model.layers.0"]})  # a module prefix skips everything under it
+    assert quantized_layer(skip).method is UNQUANTIZED
+    assert isinstance(quantized_layer(skip, "model.layers.1.mlp.down_proj").method, Int8LinearMethod)
+
+
+def test_int8_stores_weights_so_it_comes_last() -> None:
+    spec = LinearSpec("model.layers.0.mlp.down_proj", 64, ((None, 32),), False, torch.float32, ())
+    inner = Int8Quantizer({}).linear_method(spec, UNQUANTIZED)
+    with pytest.raises(ValueError, match=r"int8 stores the weights of model\.layers\.0\.mlp\.down_proj, so it must be "
+                                         r"the last quantization method"):
+        Int8Quantizer({}).linear_method(spec, inner)
 
 
 @pytest.mark.skipif(not int8_linear_available(), reason="no native CPU kernels")
 def test_auto_picks_the_native_kernel_on_cpu_without_a_dense_path() -> None:
     assert resolve_kernel("auto", torch.device("cpu")) == "native"
-    model = nn.Sequential(nn.Linear(64, 32))
-    Int8Quantizer({}).quantize(model)
-    assert model[0].kernel == "native" and model[0].dense_threshold is None
+    layer = quantized_layer(Int8Quantizer({}))
+    assert layer.kernel == "native" and layer.dense_threshold is None
 
 
 def test_auto_picks_int8pack_off_the_cpu() -> None:
@@ -99,12 +122,8 @@ def test_auto_picks_int8pack_off_the_cpu() -> None:
 
 
 def test_dense_threshold_option() -> None:
-    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8))
-    Int8Quantizer({"kernel": "int8pack", "dense_threshold": -1}).quantize(model)
-    assert model[0].dense_threshold is None  # negative: never dense
-    model = nn.Sequential(nn.Linear(64, 32))
-    Int8Quantizer({"kernel": "int8pack", "dense_threshold": 8}).quantize(model)
-    assert model[0].dense_threshold == 8
+    assert quantized_layer(Int8Quantizer({"kernel": "int8pack", "dense_threshold": -1})).dense_threshold is None
+    assert quantized_layer(Int8Quantizer({"kernel": "int8pack", "dense_threshold": 8})).dense_threshold == 8
 
 
 def test_unknown_kernel_is_refused() -> None:

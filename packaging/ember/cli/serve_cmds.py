@@ -1,7 +1,7 @@
 """`ember serve`, `deploy`, `call`, `keys`: run the platform, deploy to it, call a model, manage API keys.
 
-The platform (starlette, uvicorn, the control plane) is imported inside the handlers, so `ember --help` and the
-packaging commands stay light.
+`ember` never imports the platform: `ember serve` loads it through an entry point (`platform_command`), so that
+`ember --help`, `ember keys` and the packaging commands run where only the base install is.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ GATEWAY_ENV = "EMBER_GATEWAY"
 API_KEY_ENV = "EMBER_API_KEY"
 ADMIN_KEY_ENV = "EMBER_ADMIN_KEY"
 DEPLOY_TIMEOUT_S = 900.0
+PLATFORM_COMMANDS = "ember.platform"  # entry-point group: the platform's implementations of CLI commands
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -93,11 +94,30 @@ def _gateway(args: argparse.Namespace) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ember_platform.serve import serve
-
+    serve = platform_command("serve")
     return serve(args.dirs, host=args.host, port=args.port, registry_url=args.registry,
                  endpoint_url=args.endpoint_url, no_auth=args.no_auth, redis_url=args.redis_url,
                  log_level=args.log_level, say=lambda line: err_console.print(line, markup=False))
+
+
+def platform_command(name: str) -> Any:
+    """The platform's implementation of `ember NAME`, found through the "ember.platform" entry-point group.
+
+    `ember` never imports the platform (a model author's install has no torch): the platform registers its commands
+    into this group (pyproject.toml), as plugins register techniques into "ember".
+    """
+    import importlib.metadata
+
+    found = importlib.metadata.entry_points(group=PLATFORM_COMMANDS, name=name)
+    if not found:
+        raise EmberError(f"`ember {name}` needs the serving platform, which is not installed here: "
+                         "pip install 'ember[serve]'")
+    entry = next(iter(found))
+    try:
+        return entry.load()
+    except ImportError as e:
+        raise EmberError(f"`ember {name}` needs the serving platform's dependencies ({e}): "
+                         "pip install 'ember[serve]'") from e
 
 
 def _error_message(response: Any) -> str:
@@ -164,7 +184,7 @@ def cmd_call(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
-    from ember_platform.gateway.auth import KeyStore
+    from ember.keys import KeyStore
 
     store = KeyStore.default()
     key = store.create(args.name, admin=args.admin)
@@ -175,7 +195,7 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
-    from ember_platform.gateway.auth import KeyStore
+    from ember.keys import KeyStore
 
     store = KeyStore.default()
     gone = store.revoke(args.key)
@@ -186,7 +206,7 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 def cmd_keys_list(args: argparse.Namespace) -> int:
     import time
 
-    from ember_platform.gateway.auth import KeyStore
+    from ember.keys import KeyStore
 
     store = KeyStore.default()
     records = store.records()

@@ -1,13 +1,8 @@
-"""Where `ember serve` keeps its state: API keys, pulled packages, replica logs."""
+"""Where `ember serve` keeps its state: API keys, pulled packages, replica logs (`ember.keys.serve_home`, which
+`ember keys ...` uses too, without the platform)."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from ember.keys import DEFAULT_HOME, serve_home
 
-DEFAULT_HOME = "~/.ember"
-
-
-def serve_home() -> Path:
-    """`$EMBER_HOME/serve`, else ~/.ember/serve (not created here)."""
-    return Path(os.environ.get("EMBER_HOME") or DEFAULT_HOME).expanduser() / "serve"
+__all__ = ["DEFAULT_HOME", "serve_home"]

@@ -26,13 +26,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ember_platform.engine.models.layers import PackedLinear
+from ember_platform.engine.linear_method import Linear
 
 
 @dataclass(frozen=True, slots=True)
 class LoRALayout:
-    """Where a LoRA attaches to one layer: its input size and output slices, read before quantization
-    (a quantizer's module need not say how its output is packed)."""
+    """Where a LoRA attaches to one layer: its input size and output slices (the layer's shards)."""
 
     in_features: int
     slices: tuple[tuple[Hashable | None, int, int], ...]  # (shard id, output offset, size), in output order
@@ -53,12 +52,9 @@ def lora_layouts(model: nn.Module, module_names: Iterable[str]) -> dict[str, LoR
     wanted = set(module_names)
     out: dict[str, LoRALayout] = {}
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] not in wanted or not isinstance(module, nn.Linear):
+        if name.rsplit(".", 1)[-1] not in wanted or not isinstance(module, Linear):
             continue
-        if isinstance(module, PackedLinear):
-            slices = tuple((sid, module.shard_offsets[sid], size) for sid, size in module.shard_sizes.items())
-        else:
-            slices = ((None, 0, module.out_features),)
+        slices = tuple((sid, module.shard_offsets[sid], size) for sid, size in module.shard_sizes.items())
         out[name] = LoRALayout(module.in_features, slices)
     return out
 
@@ -89,7 +85,7 @@ class LoRAContext:
 
 class LoRALinear(nn.Module):
     """y = base(x) + the LoRA delta of each token's adapter. `base` is whatever module sat at this position
-    after loading and quantization (our Linear / PackedLinear, or a quantizer's replacement)."""
+    after loading (a `Linear`, whatever its method)."""
 
     def __init__(self, base: nn.Module, layout: LoRALayout, context: LoRAContext) -> None:
         super().__init__()

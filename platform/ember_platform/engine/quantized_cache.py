@@ -1,10 +1,13 @@
 """The cold-start cache of quantized weights: the next start of the same weights with the same quantization
-loads the quantized tensors (safetensors, memory-mapped) instead of loading full precision and quantizing.
+loads the quantized tensors instead of loading full precision and quantizing.
 
-Keyed by (weights digest, quantization method and options, dtype, device kind, torch version, the quantizer's
-source): anything that could change the quantized tensors changes the key, so a stale entry is never used.
-Entries live under `$EMBER_QUANTIZED_CACHE` (default `~/.cache/ember/quantized`), written atomically; a
-corrupt or unreadable entry is a miss (and is rewritten). `EMBER_QUANTIZED_CACHE=off` disables it.
+An entry is a checkpoint directory (`<key>/model.safetensors`, the quantized model's state dict) that the generic
+loader reads like any other, each layer through the method its technique restores it with
+(`Quantizer.restored_method`). Keyed by (weights digest, quantization methods and options, dtype, device kind,
+torch version, the quantizers' source): anything that could change the quantized tensors changes the key, so a
+stale entry is never used. Entries live under `$EMBER_QUANTIZED_CACHE` (default `~/.cache/ember/quantized`),
+written atomically; a corrupt or unreadable entry is a miss (and is rewritten). `EMBER_QUANTIZED_CACHE=off`
+disables it.
 """
 
 from __future__ import annotations
@@ -14,14 +17,14 @@ import inspect
 import json
 import logging
 import os
+import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_model
+from safetensors.torch import save_model
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -42,40 +45,42 @@ class QuantizedWeightCache:
 
     @staticmethod
     def key(weights_identity: str, method: str, options: Mapping[str, Any], dtype: torch.dtype,
-            device: torch.device, quantizer: type) -> str:
-        try:
-            source = inspect.getsource(inspect.getmodule(quantizer) or quantizer)
-        except (OSError, TypeError):
-            source = quantizer.__qualname__
+            device: torch.device, quantizers: Sequence[type]) -> str:
+        sources = []
+        for quantizer in quantizers:
+            try:
+                sources.append(inspect.getsource(inspect.getmodule(quantizer) or quantizer))
+            except (OSError, TypeError):
+                sources.append(quantizer.__qualname__)
+        digest = hashlib.sha256("\n".join(sources).encode()).hexdigest()
         parts = [weights_identity, method, json.dumps(dict(options), sort_keys=True, default=str), str(dtype),
-                 device.type, torch.__version__, hashlib.sha256(source.encode()).hexdigest()]
+                 device.type, torch.__version__, digest]
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
     def path(self, key: str) -> Path:
-        return self.root / f"{key}.safetensors"
+        """The entry's checkpoint directory (it holds one model.safetensors)."""
+        return self.root / key
 
-    def load(self, key: str) -> dict[str, torch.Tensor] | None:
+    def lookup(self, key: str) -> Path | None:
+        """The entry's directory if it was written completely, else None (a miss)."""
         path = self.path(key)
-        if not path.is_file():
-            return None
-        try:
-            return load_file(str(path))
-        except (OSError, SafetensorError, ValueError) as e:
-            log.warning("quantized-weight cache entry %s is unreadable (%s); quantizing again", path, e)
-            return None
+        return path if (path / "model.safetensors").is_file() else None
+
+    def discard(self, key: str) -> None:
+        """Remove an entry found unreadable, so that this start's save replaces it."""
+        shutil.rmtree(self.path(key), ignore_errors=True)
 
     def save(self, key: str, model: nn.Module) -> Path | None:
         path = self.path(key)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=self.root)
-            os.close(fd)
+            tmp = Path(tempfile.mkdtemp(suffix=".tmp", dir=self.root))
             try:
-                save_model(model, tmp)  # handles tied (shared) parameters
+                save_model(model, str(tmp / "model.safetensors"))  # handles tied (shared) parameters
+                shutil.rmtree(path, ignore_errors=True)
                 os.replace(tmp, path)
             finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+                shutil.rmtree(tmp, ignore_errors=True)
         except (OSError, RuntimeError, ValueError) as e:  # a full disk must not fail the start
             log.warning("could not write the quantized-weight cache entry %s: %s", path, e)
             return None

@@ -9,3 +9,7 @@ def ember_quantizers(register) -> None:
              summary="weight-only int8, per output channel; a native CPU kernel streams int8 weights "
                      "(fbgemm W8A8 or torch's int8 matmul where it cannot build)",
              options=("skip", "kernel", "dense_threshold"))
+    register("compressed-tensors", "ember_plugins.quantization.compressed_tensors:CompressedTensorsQuantizer",
+             summary="loads checkpoints already quantized to int8 in the compressed-tensors format "
+                     "(config.json quantization_config), straight into the int8 kernels",
+             options=("kernel", "dense_threshold"))

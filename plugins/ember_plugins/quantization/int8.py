@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember_kernels.cpu.int8_linear import int8_linear, int8_linear_available
-from ember_platform.api import Quantizer, linear_layers
+from ember_platform.api import UNQUANTIZED, Linear, LinearMethod, LinearSpec, Quantizer, skipped
 
 KERNELS = ("auto", "native", "fbgemm", "int8pack")
 # Rows above which int8pack loses to a dense GEMM on the dequantized weights; native and fbgemm
@@ -74,7 +74,10 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """Symmetric int8 per output channel: (qweight [out, in] int8, scale [out] float32)."""
     w = weight.detach().float()
     scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)  # [out]
-    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+    if w.data_ptr() == weight.data_ptr():  # a float32 weight: do not round the caller's tensor
+        w = w.clone()
+    # In place: quantizing on load runs this per layer, and each temporary would be another float32 copy of it.
+    return w.div_(scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), scale
 
 
 def _fbgemm_prepack(qweight: torch.Tensor, scale: torch.Tensor) -> Any:
@@ -87,122 +90,158 @@ def _fbgemm_prepack(qweight: torch.Tensor, scale: torch.Tensor) -> Any:
     return torch.ops.quantized.linear_prepack(qtensor, None)
 
 
-class Int8Linear(nn.Module):
-    """y = x @ (qweight * scale).T + bias, with qweight: [out, in] int8 and scale: [out]."""
+class Int8LinearMethod(LinearMethod):
+    """y = x @ (weight * weight_scale).T + bias, with weight: [out, in] int8 and weight_scale: [out] float32.
 
-    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, kernel: str = "auto",
-                 dense_threshold: int | None = None, *,
-                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """From full-precision `weight`, or from an earlier result `quantized=(qweight, scale)` (a cache)."""
-        super().__init__()
-        if quantized is None:
-            assert weight is not None
-            qweight, scale = quantize_per_channel(weight)
+    `prequantized`: the layer loads those two tensors (a compressed-tensors int8 checkpoint, the engine's cache of
+    quantized weights); else it loads a full-precision `weight` and quantizes it in `after_loading`, as soon as
+    the loader has the layer complete (one full-precision layer in memory at a time)."""
+
+    def __init__(self, kernel: str = "auto", dense_threshold: int | None = None, *, prequantized: bool = False,
+                 default_dense: bool = True) -> None:
+        if kernel not in KERNELS:  # fail before any weights are loaded
+            raise ValueError(f"[quantization] options: kernel '{kernel}' is not one of {', '.join(KERNELS)}")
+        self.kernel, self.dense_threshold, self.prequantized = kernel, dense_threshold, prequantized
+        self.default_dense = default_dense  # no dense_threshold given: int8pack's measured default applies
+        self.full_precision_until_loaded = not prequantized
+
+    def create_weights(self, layer: Linear) -> None:
+        shape = (layer.out_features, layer.in_features)
+        if self.prequantized:
+            layer.add_weight("weight", shape, torch.int8)
+            layer.add_weight("weight_scale", (layer.out_features,), torch.float32)
         else:
-            qweight, scale = quantized
-            weight = qweight
-        self.kernel = kernel = resolve_kernel(kernel, weight.device)
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        # Aligned for every kernel (int8pack needs it, the others stream faster): a cache entry's tensors are not.
-        self.register_buffer("qweight", aligned(qweight.to(weight.device)))
-        self.register_buffer("scale", aligned(scale.to(weight.device)))
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.dense_threshold = dense_threshold
-        self._dense: torch.Tensor | None = None  # dequantized weight, made on the first large batch
-        if kernel == "fbgemm":
-            self._packed = _fbgemm_prepack(qweight.cpu(), scale.cpu())
-            # A constant extra row holding -1 and +1: see `_fbgemm_linear`.
-            range_row = torch.zeros(1, self.in_features)
-            range_row[0, 0], range_row[0, 1] = -1.0, 1.0
-            self._range_row = range_row
-        elif kernel == "int8pack":
-            self._scale_bf16 = aligned(self.scale.to(torch.bfloat16))  # int8pack wants the activations' dtype
+            layer.add_weight("weight", shape, None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def load_weight(self, layer: Linear, name: str, param: nn.Parameter, loaded: torch.Tensor,
+                    shard_id: Any) -> None:
+        if name == "weight_scale" and loaded.dim() == 2 and loaded.shape[1] == 1:
+            loaded = loaded[:, 0]  # compressed-tensors stores channel scales as [out, 1]
+        super().load_weight(layer, name, param, loaded, shard_id)
+
+    def after_loading(self, layer: Linear) -> None:
+        weight = layer.weight
+        if self.prequantized:
+            qweight, scale = weight.data, layer.weight_scale.data.float()
+        else:
+            qweight, scale = quantize_per_channel(weight.data)
+        del layer.weight, weight  # the full-precision copy goes now, not at the end of the load
+        kernel = resolve_kernel(self.kernel, qweight.device)
+        # Aligned for every kernel (int8pack needs it, the others stream faster): a cache entry's tensors are not.
+        layer.weight = nn.Parameter(aligned(qweight), requires_grad=False)
+        layer.weight_scale = nn.Parameter(aligned(scale.to(qweight.device)), requires_grad=False)
+        layer.kernel = kernel
+        threshold = self.dense_threshold
+        if threshold is None:
+            threshold = INT8PACK_DENSE_THRESHOLD if kernel == "int8pack" and self.default_dense else None
+        layer.dense_threshold = None if threshold is None or threshold < 0 else threshold
+        layer._dense = None  # dequantized weight, made on the first large batch
+        if kernel == "fbgemm":
+            layer._packed = _fbgemm_prepack(layer.weight.cpu(), layer.weight_scale.cpu())
+            # A constant extra row holding -1 and +1: see `_fbgemm_linear`.
+            range_row = torch.zeros(1, layer.in_features)
+            range_row[0, 0], range_row[0, 1] = -1.0, 1.0
+            layer._range_row = range_row
+        elif kernel == "int8pack":
+            layer._scale_bf16 = aligned(layer.weight_scale.to(torch.bfloat16))  # int8pack wants the activations' dtype
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x: [..., in] -> [..., out]
         shape, out_dtype = x.shape, x.dtype
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x.reshape(-1, layer.in_features)
         y: torch.Tensor | None
-        if self.dense_threshold is not None and x2.shape[0] > self.dense_threshold:
-            y = F.linear(x2, self._dense_weight(out_dtype))
-        elif self.kernel == "native":
-            y = int8_linear(x2, self.qweight, self.scale, out_dtype)
+        if layer.dense_threshold is not None and x2.shape[0] > layer.dense_threshold:
+            y = F.linear(x2, _dense_weight(layer, out_dtype))
+        elif layer.kernel == "native":
+            y = int8_linear(x2, layer.weight, layer.weight_scale, out_dtype)
             if y is None:  # only if the library vanished after we chose it: stay correct
-                y = F.linear(x2, self._dense_weight(out_dtype))
-        elif self.kernel == "fbgemm":
-            y = self._fbgemm_linear(x2.float())
+                y = F.linear(x2, _dense_weight(layer, out_dtype))
+        elif layer.kernel == "fbgemm":
+            y = _fbgemm_linear(layer, x2.float())
         else:
             # The kernel's fast path is bf16 activations on CPU: fp32 ones ran 2x slower, fp16 7x.
-            y = torch._weight_int8pack_mm(aligned(x2.to(torch.bfloat16)), self.qweight, self._scale_bf16)
+            y = torch._weight_int8pack_mm(aligned(x2.to(torch.bfloat16)), layer.weight, layer._scale_bf16)
         y = y.to(out_dtype)  # a no-op where the kernel wrote out_dtype already
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*shape[:-1], layer.out_features)
 
-    def _fbgemm_linear(self, x: torch.Tensor) -> torch.Tensor:
-        """fbgemm's dynamic linear, with each row's activations quantized on their own.
+    def describe(self, layer: Linear) -> str:
+        kernel = getattr(layer, "kernel", self.kernel)
+        dense = getattr(layer, "dense_threshold", None)
+        dense_text = "" if dense is None else f", dense above {dense} rows"
+        return f"int8 per-channel, kernel={kernel}{dense_text}"
 
-        linear_dynamic picks one activation scale and zero point from the min and max of the whole
-        input, so one row's outlier would coarsen every other row's quantization: a request's
-        numerics would depend on what it is batched with, and speculation (k + 1 rows of one request)
-        could change a greedy result. So each row is divided by its own max |x| and a constant row
-        (-1, +1, 0, ...) is appended: the input's min and max are then always exactly -1 and +1,
-        the same quantization for every row whatever the batch, and the linear map lets us multiply
-        each output row back by its max. `reduce_range` keeps activations to 7 bits so that AVX2's
-        u8 x s8 pair sums cannot saturate int16.
-        """
-        # Few ops on purpose: at decode each is a fixed cost paid by every linear of every step.
-        row_max = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True)  # [M, 1], max |x|
-        row_max.clamp_min_(torch.finfo(torch.float32).tiny)
-        x_normed = torch.cat((self._range_row, x / row_max))  # [1 + M, in], values in [-1, 1]
-        y = torch.ops.quantized.linear_dynamic(x_normed, self._packed, True)[1:]
-        return y.mul_(row_max)
 
-    def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        if self._dense is None or self._dense.dtype != dtype:
-            self._dense = (self.qweight.to(torch.float32) * self.scale[:, None]).to(dtype)
-        return self._dense
+def _fbgemm_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """fbgemm's dynamic linear, with each row's activations quantized on their own.
 
-    def extra_repr(self) -> str:
-        dense = "" if self.dense_threshold is None else f", dense above {self.dense_threshold} rows"
-        return f"in={self.in_features}, out={self.out_features}, int8 per-channel, kernel={self.kernel}{dense}"
+    linear_dynamic picks one activation scale and zero point from the min and max of the whole
+    input, so one row's outlier would coarsen every other row's quantization: a request's
+    numerics would depend on what it is batched with, and speculation (k + 1 rows of one request)
+    could change a greedy result. So each row is divided by its own max |x| and a constant row
+    (-1, +1, 0, ...) is appended: the input's min and max are then always exactly -1 and +1,
+    the same quantization for every row whatever the batch, and the linear map lets us multiply
+    each output row back by its max. `reduce_range` keeps activations to 7 bits so that AVX2's
+    u8 x s8 pair sums cannot saturate int16.
+    """
+    # Few ops on purpose: at decode each is a fixed cost paid by every linear of every step.
+    row_max = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True)  # [M, 1], max |x|
+    row_max.clamp_min_(torch.finfo(torch.float32).tiny)
+    x_normed = torch.cat((layer._range_row, x / row_max))  # [1 + M, in], values in [-1, 1]
+    y = torch.ops.quantized.linear_dynamic(x_normed, layer._packed, True)[1:]
+    return y.mul_(row_max)
+
+
+def _dense_weight(layer: Linear, dtype: torch.dtype) -> torch.Tensor:
+    if layer._dense is None or layer._dense.dtype != dtype:
+        layer._dense = (layer.weight.to(torch.float32) * layer.weight_scale[:, None]).to(dtype)
+    return layer._dense
+
+
+def Int8Linear(weight: torch.Tensor | None, bias: torch.Tensor | None, kernel: str = "auto",
+               dense_threshold: int | None = None, *,
+               quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> Linear:
+    """A standalone int8 `Linear` from full-precision `weight`, or from `quantized=(qweight, scale)` as given
+    (views included: `after_loading` aligns them), without a checkpoint: for tests and benchmarks."""
+    source = weight if quantized is None else quantized[0]
+    assert source is not None
+    method = Int8LinearMethod(kernel, dense_threshold, prequantized=quantized is not None)
+    layer = Linear(source.shape[1], source.shape[0], bias=bias is not None, ops=None, method=method)
+    if quantized is None:
+        layer.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    else:
+        layer.weight = nn.Parameter(quantized[0], requires_grad=False)
+        layer.weight_scale = nn.Parameter(quantized[1], requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    layer.finish_loading()
+    return layer
 
 
 class Int8Quantizer(Quantizer):
-    """Options: `skip` (module names kept in full precision, default ["lm_head"]); `kernel` ("auto":
-    on CPUs native where the C kernels build, else fbgemm where torch has it, else int8pack; off the
-    CPU int8pack); `dense_threshold` (rows above which dequantized dense weights are used, kept in
-    memory once made; default 32 for int8pack, none for the others; a negative value: never)."""
+    """Options: `skip` (layers kept in full precision, by attribute name or module prefix; default ["lm_head"]);
+    `kernel` ("auto": on CPUs native where the C kernels build, else fbgemm where torch has it, else int8pack; off
+    the CPU int8pack); `dense_threshold` (rows above which dequantized dense weights are used, kept in memory once
+    made; default 32 for int8pack, none for the others; a negative value: never).
+
+    It stores weights, so it comes last in a composition; the transforms before it (smoothing, rotation) rewrite
+    the full-precision weight it then quantizes."""
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
         self.skip = tuple(self.options.get("skip", ("lm_head",)))
-        self.kernel = str(self.options.get("kernel", "auto"))
-        if self.kernel not in KERNELS:  # fail before any weights are loaded
-            raise ValueError(f"[quantization] options: kernel '{self.kernel}' is not one of {', '.join(KERNELS)}")
         threshold = self.options.get("dense_threshold")
-        self.dense_threshold = None if threshold is None else int(threshold)
+        self.method = Int8LinearMethod(str(self.options.get("kernel", "auto")),
+                                       None if threshold is None else int(threshold))
+        self.restored = Int8LinearMethod(self.method.kernel, self.method.dense_threshold, prequantized=True)
 
-    def quantize(self, model: nn.Module) -> nn.Module:
-        for parent, name, layer in list(linear_layers(model, self.skip)):
-            kernel = resolve_kernel(self.kernel, layer.weight.device)
-            setattr(parent, name, Int8Linear(layer.weight, layer.bias, kernel, self._threshold(kernel)))
-        return model
+    def linear_method(self, spec: LinearSpec, inner: LinearMethod) -> LinearMethod:
+        if inner is not UNQUANTIZED:
+            raise ValueError(f"int8 stores the weights of {spec.prefix}, so it must be the last quantization method "
+                             f"(after it comes {type(inner).__name__})")
+        return inner if skipped(spec, self.skip) else self.method
 
-    def restore(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> nn.Module | None:
-        """Int8 layers straight from a saved state (the engine's quantized-weight cache): no quantizing."""
-        names = {id(m): n for n, m in model.named_modules()}
-        for parent, name, layer in list(linear_layers(model, self.skip)):
-            prefix = names[id(layer)]
-            qweight, scale = state.get(f"{prefix}.qweight"), state.get(f"{prefix}.scale")
-            if qweight is None or scale is None:
-                return None  # not a state this quantizer wrote: quantize instead
-            kernel = resolve_kernel(self.kernel, qweight.device)
-            bias = state.get(f"{prefix}.bias")
-            setattr(parent, name, Int8Linear(None, bias, kernel, self._threshold(kernel), quantized=(qweight, scale)))
-        return model
-
-    def _threshold(self, kernel: str) -> int | None:
-        if self.dense_threshold is None:
-            return INT8PACK_DENSE_THRESHOLD if kernel == "int8pack" else None
-        return None if self.dense_threshold < 0 else self.dense_threshold
+    def restored_method(self, spec: LinearSpec, inner: LinearMethod) -> LinearMethod:
+        """What the int8 layers hold once loaded (int8 `weight`, `weight_scale`), for the quantized-weight cache."""
+        return inner if skipped(spec, self.skip) else self.restored

@@ -28,8 +28,8 @@ from ember_platform.engine.engine import LLMEngine  # noqa: E402
 from ember_platform.engine.lora import LoRAAdapterError  # noqa: E402
 from ember_platform.engine.lora_layer import LoRALinear  # noqa: E402
 from ember_platform.engine.lora_manager import UnknownLoRAError  # noqa: E402
-from ember_platform.engine.models.layers import PackedLinear  # noqa: E402
 from ember_platform.engine.step_plan import StepPlan  # noqa: E402
+from ember_plugins.quantization.int8 import Int8LinearMethod  # noqa: E402
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[3] / "examples" / "tiny-llama" / "weights"
 NEW_TOKENS = 32
@@ -322,7 +322,7 @@ def test_lora_wraps_whatever_module_the_quantizer_left(setup: Setup) -> None:
     lora_error = (last_logits(int8, "alpha") - last_logits(full, "alpha")).abs().max()
     effect = (last_logits(full, "alpha") - last_logits(full, None)).abs().max()
     layer = int8.model.model.layers[0].self_attn.qkv_proj
-    assert isinstance(layer, LoRALinear) and not isinstance(layer.base, PackedLinear)  # the quantizer's module
+    assert isinstance(layer, LoRALinear) and isinstance(layer.base.method, Int8LinearMethod)  # the quantizer's
     assert lora_error < 3 * base_error + 1e-3 and effect > 5 * lora_error
 
 

@@ -239,9 +239,9 @@ def test_legacy_rope_scaling_spelling_reads_like_rope_parameters() -> None:
 
 
 def test_linear_layers_are_visible_to_quantizers(family: Family) -> None:
-    from ember_platform.engine.quantization import linear_layers
+    from ember_platform.engine.linear_method import linear_modules
 
-    names = {name for _, name, _ in linear_layers(family.model)}
+    names = {name.rsplit(".", 1)[-1] for name, _ in linear_modules(family.model)}
     expected = {"qkv_proj", "o_proj", "lm_head"} | ({"gate"} if "mixtral" in family.name
                                                      else {"gate_up_proj", "down_proj"})
     assert names == expected

@@ -26,19 +26,19 @@ def generate(llm: LLM) -> list[int]:
 def test_second_start_restores_the_quantized_weights_and_matches(cache_dir: Path) -> None:
     first = LLM(EXAMPLE, quantization="int8")
     assert not first.engine.quantized_from_cache and first.engine.timings["quantize"] > 0
-    [entry] = cache_dir.glob("*.safetensors")
+    [entry] = cache_dir.glob("*/model.safetensors")
     second = LLM(EXAMPLE, quantization="int8")
     assert second.engine.quantized_from_cache and second.engine.timings["quantize"] == 0.0
     assert generate(second) == generate(first)
     # Other options are another entry; the weights are keyed too (same file count after a third identical start).
     LLM(EXAMPLE, quantization="int8", quantization_options={"skip": ["lm_head", "down_proj"]})
-    assert len(list(cache_dir.glob("*.safetensors"))) == 2
+    assert len(list(cache_dir.glob("*/model.safetensors"))) == 2
     assert entry.is_file()
 
 
 def test_a_corrupt_entry_is_a_miss_and_is_rewritten(cache_dir: Path) -> None:
     reference = generate(LLM(EXAMPLE, quantization="int8"))
-    [entry] = cache_dir.glob("*.safetensors")
+    [entry] = cache_dir.glob("*/model.safetensors")
     entry.write_bytes(entry.read_bytes()[:1000])  # truncated
     again = LLM(EXAMPLE, quantization="int8")
     assert not again.engine.quantized_from_cache and generate(again) == reference

@@ -8,12 +8,15 @@ so packed parameters (q/k/v -> qkv_proj, gate/up -> gate_up_proj, stacked expert
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ember_platform.engine.linear_method import Linear
+from ember_platform.engine.linear_method import copy_into as copy_weight
 
 if TYPE_CHECKING:
     from ember_platform.engine.kernel_ops import KernelOps
@@ -26,14 +29,6 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: H
     if shard_id is not None:
         raise ValueError(f"this parameter is not packed, but a shard ({shard_id!r}) was given for it")
     copy_weight(param.data, loaded)
-
-
-def copy_weight(target: torch.Tensor, loaded: torch.Tensor) -> None:
-    """Copy a checkpoint tensor into `target` (a parameter or a slice of one) after checking its shape."""
-    if tuple(target.shape) != tuple(loaded.shape):
-        raise ValueError(f"shape mismatch: the model expects {tuple(target.shape)}, "
-                         f"the checkpoint has {tuple(loaded.shape)}")
-    target.copy_(loaded)
 
 
 def new_parameter(*shape: int, weight_loader: WeightLoader = default_weight_loader) -> nn.Parameter:
@@ -62,54 +57,10 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
-class Linear(nn.Linear):
-    """y = x W^T (+ b), W: [out_features, in_features], loaded whole from one checkpoint tensor.
-
-    An `nn.Linear`, so that quantizers (which replace `nn.Linear` layers after loading) find it.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, ops: KernelOps) -> None:
-        super().__init__(in_features, out_features, bias=bias)  # on the meta device: no memory, no init cost
-        self.ops = ops
-        for param in self.parameters(recurse=False):
-            param.requires_grad_(False)
-            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
-        default_weight_loader(param, loaded, shard_id)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The `linear` kernel op: decode and speculative verification run a few rows, where a kernel that
-        # streams the weights once for all rows beats a GEMM library (prefill-sized inputs go to F.linear).
-        return self.ops.linear(x, self.weight, self.bias)
-
-
-class PackedLinear(Linear):
-    """Several linears over the same input fused into one matmul, e.g. q/k/v or gate/up.
-
-    `shards` maps each checkpoint shard id to its output size, in output order; the checkpoint's
-    separate tensors are copied into their rows of the fused weight (and bias). Callers split the
-    output by sizes they keep themselves: a quantizer may replace this layer after loading.
-    """
-
-    def __init__(self, in_features: int, shards: Mapping[Hashable, int], bias: bool = False, *,
-                 ops: KernelOps) -> None:
-        super().__init__(in_features, sum(shards.values()), bias, ops=ops)
-        self.shard_sizes = dict(shards)
-        self.shard_offsets: dict[Hashable, int] = {}
-        offset = 0
-        for shard_id, size in shards.items():
-            self.shard_offsets[shard_id] = offset
-            offset += size
-
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
-        if shard_id is None:  # an already fused checkpoint tensor
-            copy_weight(param.data, loaded)
-            return
-        if shard_id not in self.shard_offsets:
-            raise ValueError(f"unknown shard {shard_id!r}; this layer packs {list(self.shard_offsets)}")
-        offset, size = self.shard_offsets[shard_id], self.shard_sizes[shard_id]
-        copy_weight(param.data.narrow(0, offset, size), loaded)
+# One linear layer class for every family: its weights are its LinearMethod's (full precision, or a quantizer's
+# int8 / pre-quantized layout), chosen per layer before loading. A packed linear is the same class given a
+# {shard id: size} mapping for its outputs (q/k/v -> qkv_proj, gate/up -> gate_up_proj).
+PackedLinear = Linear
 
 
 class Embedding(nn.Module):

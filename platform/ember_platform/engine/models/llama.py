@@ -16,6 +16,7 @@ from torch import nn
 from ember_platform.engine.attention import AttentionBackend, AttentionBackendFactory, AttentionMetadata, KVCache
 from ember_platform.engine.models.layers import Embedding, Linear, PackedLinear, RMSNorm
 from ember_platform.engine.models.rope import RotaryEmbedding, rope_parameters
+from ember_platform.engine.models.structure import AttentionBlock, ModelStructure, NormFeed
 
 if TYPE_CHECKING:
     from ember_platform.engine.kernel_ops import KernelOps
@@ -203,6 +204,26 @@ class LlamaForCausalLM(nn.Module):
 
     def make_mlp(self, args: ModelArgs, layer: int) -> nn.Module:
         return LlamaMLP(args, self.ops)
+
+    def structure(self) -> ModelStructure:
+        """The wiring weight-transforming techniques (rotations, smoothing) fold transforms along."""
+        a, feeds, writers, attention = self.args, [], [], []
+        for i in range(a.num_layers):
+            layer = f"model.layers.{i}"
+            feeds.append(NormFeed(f"{layer}.input_layernorm", (f"{layer}.self_attn.qkv_proj",)))
+            feeds.append(NormFeed(f"{layer}.post_attention_layernorm", self.mlp_inputs(layer)))
+            writers += [f"{layer}.self_attn.o_proj", *self.mlp_outputs(layer)]
+            attention.append(AttentionBlock(f"{layer}.self_attn.qkv_proj", f"{layer}.self_attn.o_proj", a.num_heads,
+                                            a.num_kv_heads, a.head_dim))
+        feeds.append(NormFeed("model.norm", ("lm_head",)))
+        return ModelStructure("model.embed_tokens", "lm_head", a.tie_word_embeddings, tuple(feeds), tuple(writers),
+                              tuple(attention), a.hidden_size)
+
+    def mlp_inputs(self, layer: str) -> tuple[str, ...]:
+        return (f"{layer}.mlp.gate_up_proj",)
+
+    def mlp_outputs(self, layer: str) -> tuple[str, ...]:
+        return (f"{layer}.mlp.down_proj",)
 
     def checkpoint_target(self, name: str) -> tuple[str, Hashable | None] | None:
         """Where a checkpoint tensor goes: (parameter name, shard id or None), or None to skip it."""

@@ -103,6 +103,12 @@ class MixtralForCausalLM(MistralForCausalLM):
     def make_mlp(self, args: ModelArgs, layer: int) -> nn.Module:
         return MixtralMoE(args, self.ops)
 
+    def mlp_inputs(self, layer: str) -> tuple[str, ...]:
+        return (f"{layer}.mlp.gate", f"{layer}.mlp.experts.gate_up_proj")  # the router, the stacked experts
+
+    def mlp_outputs(self, layer: str) -> tuple[str, ...]:
+        return (f"{layer}.mlp.experts.down_proj",)
+
     def checkpoint_target(self, name: str) -> tuple[str, Hashable | None] | None:
         match = _EXPERT_TENSOR.match(name)
         if match:

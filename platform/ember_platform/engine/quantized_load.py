@@ -1,0 +1,161 @@
+"""Loading a model through its quantization techniques: pick every layer's `LinearMethod` on the meta device,
+stream the checkpoint through them (each layer quantized as soon as it is complete), or restore the quantized
+weights an earlier start cached.
+
+The chain of techniques comes from the selection (`[quantization] method`, one name or several composed in
+order, joined "a+b" in the selection's name) or, for a pre-quantized checkpoint, from config.json's
+`quantization_config.quant_method`, which names the technique that reads its layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import SafetensorError
+from torch import nn
+
+from ember_platform.engine.calibration import CalibrationContext, calibration_text
+from ember_platform.engine.linear_method import (
+    UNQUANTIZED,
+    LinearMethod,
+    LinearSpec,
+    finish_loading,
+    set_linear_methods,
+)
+from ember_platform.engine.models.loader import load_weights
+from ember_platform.engine.quantization import QuantizationContext, QuantizationError, Quantizer, method_for
+from ember_platform.engine.quantized_cache import QuantizedWeightCache
+from ember_platform.kvtiers.identity import model_identity
+
+if TYPE_CHECKING:
+    from ember.plugins import PluginHost
+    from ember.selection import SelectionReport
+    from ember_platform.engine.config import ModelSource
+
+log = logging.getLogger("ember.engine")
+
+NONE = "none"
+CHAIN_SEPARATOR = "+"
+
+
+def chain_names(name: str) -> tuple[str, ...]:
+    """The techniques a quantization selection composes, in order ("none": no technique)."""
+    return () if name == NONE else tuple(name.split(CHAIN_SEPARATOR))
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedLoad:
+    """What `load_quantized` did."""
+
+    chain: tuple[str, ...]  # the techniques applied, in order (empty: full precision)
+    timings: dict[str, float]  # "load" (all of it) and "quantize" (the layers' after_loading, part of "load")
+    from_cache: bool
+    layer_methods: dict[str, str]  # layer name -> its method, for the layers not left full precision
+
+
+def resolve_chain(selection: SelectionReport, plugins: PluginHost,
+                  hf_config: Mapping[str, Any]) -> list[tuple[str, type[Quantizer], dict[str, Any]]]:
+    """(name, technique class, options) of each technique to apply, in order."""
+    names = chain_names(selection.name)
+    checkpoint = hf_config.get("quantization_config")
+    if checkpoint is not None and not names:
+        method = checkpoint.get("quant_method")
+        if not isinstance(method, str):
+            raise QuantizationError("config.json: quantization_config has no 'quant_method' string")
+        names = (method,)
+    options = dict(selection.options)
+    chain = []
+    for name in names:
+        technique = plugins.techniques.get("quantization", name)
+        if technique is None:
+            where = ("config.json quantization_config.quant_method" if selection.name == NONE
+                     else "[quantization] method")
+            available = ", ".join(sorted(plugins.techniques.of_kind("quantization"))) or "none"
+            raise QuantizationError(f"{where} = {name!r}: no installed plugin provides quantization '{name}' "
+                                    f"(installed: {available})")
+        cls = technique.load()
+        if not (isinstance(cls, type) and issubclass(cls, Quantizer)):
+            raise QuantizationError(f"quantization '{name}' is {cls!r}, which is not a Quantizer subclass "
+                                    "(ember_platform.api.Quantizer): its plugin registered something else")
+        own = options.get(name, {}) if len(names) > 1 else options
+        if len(names) > 1 and not isinstance(own, Mapping):
+            raise QuantizationError(f"[quantization] options.{name}: with several methods, options are tables "
+                                    f"keyed by method name, got {own!r}")
+        chain.append((name, cls, dict(own)))
+    return chain
+
+
+def load_quantized(model: nn.Module, build: Callable[[], nn.Module], *, source: ModelSource,
+                   hf_config: Mapping[str, Any], selection: SelectionReport, plugins: PluginHost,
+                   dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, QuantizedLoad]:
+    """Load `model` (built on meta by `build`, which makes a fresh one) through its quantization chain."""
+    t0 = time.perf_counter()
+    resolved = resolve_chain(selection, plugins, hf_config)
+    if not resolved:
+        load_weights(model, source.weights_dir)
+        return model, QuantizedLoad((), {"load": time.perf_counter() - t0}, False, {})
+    names = tuple(name for name, _, _ in resolved)
+    chain = [cls(options) for _, cls, options in resolved]
+    structure = model.structure()
+    checkpoint = hf_config.get("quantization_config")
+    for i, technique in enumerate(chain):
+        technique.prepare(QuantizationContext(structure, hf_config, checkpoint, names, i))
+
+    cache = QuantizedWeightCache.default() if checkpoint is None else None  # a pre-quantized load has no cost
+    key = None
+    if cache is not None:
+        identity = model_identity(source.weights_dir, source.root if source.is_package else None)
+        key = cache.key(identity, selection.name, selection.options, dtype, device, [cls for _, cls, _ in resolved])
+        entry = cache.lookup(key)
+        restored = _restored_factory(chain) if entry is not None else None
+        if entry is not None and restored is not None:
+            try:
+                methods = set_linear_methods(model, restored, dtype)
+                load_weights(model, entry)
+                log.info("quantized weights restored from the cache: %s", entry)
+                return model, QuantizedLoad(names, {"load": time.perf_counter() - t0, "quantize": 0.0}, True,
+                                            methods)
+            except (OSError, SafetensorError, ValueError) as e:
+                log.warning("quantized-weight cache entry %s is unreadable (%s); quantizing again", entry, e)
+                cache.discard(key)
+                model = build()
+
+    methods = set_linear_methods(model, lambda spec: method_for(chain, spec), dtype)
+    calibrating = [t for t in chain if t.needs_calibration]
+    loaded = load_weights(model, source.weights_dir, finalize=not calibrating)
+    quantize_s = loaded.finalize_s
+    if calibrating:
+        from ember_platform.engine.text.tokenizer import Tokenizer
+
+        t1 = time.perf_counter()
+        text, where = calibration_text(source.root if source.is_package else None)
+        calibration = CalibrationContext(model, Tokenizer.from_dir(source.weights_dir), text, where)
+        for technique in calibrating:
+            technique.calibrate(calibration)
+        finish_loading(model)
+        quantize_s += time.perf_counter() - t1
+    if cache is not None and key is not None and _restored_factory(chain) is not None:
+        cache.save(key, model)
+    return model, QuantizedLoad(names, {"load": time.perf_counter() - t0, "quantize": quantize_s}, False, methods)
+
+
+def _restored_factory(chain: list[Quantizer]) -> Callable[[LinearSpec], LinearMethod] | None:
+    """The factory of the methods that load a cache entry back, or None when a technique cannot restore."""
+    probe = LinearSpec("probe", 1, ((None, 1),), False, torch.float32, ("probe",))
+    if any(t.restored_method(probe, UNQUANTIZED) is None for t in chain):
+        return None
+
+    def factory(spec: LinearSpec) -> LinearMethod:
+        method: LinearMethod = UNQUANTIZED
+        for technique in reversed(chain):
+            restored = technique.restored_method(spec, method)
+            assert restored is not None
+            method = restored
+        return method
+
+    return factory
