@@ -51,7 +51,11 @@ def ember_quantizers(register: Register) -> None:
 
 @hookspec
 def ember_speculators(register: Register) -> None:
-    """Register speculative-decoding proposers, e.g. "ngram", "draft", "eagle"."""
+    """Register speculative-decoding proposers, e.g. "ngram", "draft", "eagle".
+
+    `impl` is an `ember_platform.api.Speculator` subclass: each step it gets `SpeculatorInputs` (the step's tokens,
+    the hidden states and aux layers it asks for, accepted counts) and returns `Proposal`s.
+    """
 
 
 @hookspec
@@ -61,7 +65,11 @@ def ember_attention_backends(register: Register) -> None:
 
 @hookspec
 def ember_parallel_strategies(register: Register) -> None:
-    """Register ways to spread one replica over several devices, e.g. "tensor", "expert"."""
+    """Register ways to spread one replica over several devices, e.g. "tensor", "expert".
+
+    `impl` is an `ember_platform.api.Executor` subclass, built as `cls(worker_config, selection_options)`: it runs
+    one `Worker` per rank and executes the engine core's `StepPlan`s ("none" is the in-process uniprocess executor).
+    """
 
 
 @hookspec
