@@ -14,7 +14,7 @@ from ember_platform import LLM, SamplingParams
 from ember_platform.engine.executor import UniprocessExecutor
 from ember_platform.engine.parallel import ParallelContext
 from ember_platform.engine.request import Request
-from ember_platform.engine.step_plan import StepPlan
+from ember_platform.engine.step_plan import BlockTables, StepPlan
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny-llama"
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -108,3 +108,22 @@ def test_hidden_states_are_returned_for_every_token_when_asked() -> None:
     torch.testing.assert_close(out.aux_hidden_states[0], embeddings)  # layer 0's input: the embeddings
     torch.testing.assert_close(engine.model.compute_logits(out.hidden_states[-1:]), out.logits)
     engine.kv.free(req)
+
+
+def test_persistent_block_tables_follow_growth_preemption_and_release() -> None:
+    tables = BlockTables(max_blocks_per_seq=4, rows=1)
+    a, b = _request("1", [1, 2], computed=0), _request("2", [1, 2], computed=0)
+    a.block_ids, b.block_ids = [5], [7, 8]
+    assert tables.rows([a, b]).tolist() == [[5, 0], [7, 8]]  # a second request: the rows double
+    a.block_ids.append(6)  # grew in place: only the new id is copied
+    assert tables.rows([a]).tolist() == [[5, 6]]
+    a.block_ids = [9]  # freed and allocated again (preempted): a new list, rewritten from the start
+    assert tables.rows([a, b]).tolist() == [[9, 6], [7, 8]]  # past its length a row is padding (masked by seq_lens)
+    a.block_ids = [1, 2, 3, 4, 5, 6]  # longer than any row so far: the table widens
+    assert tables.rows([a]).tolist() == [[1, 2, 3, 4, 5, 6]]
+    tables.release("1")
+    c = _request("3", [1], computed=0)
+    c.block_ids = [4]
+    assert tables.rows([c, b])[:, :1].tolist() == [[4], [7]]  # c took the released row
+    plan = StepPlan.build([b], [2], block_tables=tables)
+    assert plan.block_tables.tolist() == [[7, 8]]
