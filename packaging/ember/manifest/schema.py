@@ -62,8 +62,9 @@ class ModelSection(Section):
     version: str = Field(description="Package version, e.g. \"1.0.0\". Versions are immutable in a registry.")
     weights: str = Field("weights", description="Directory (relative to the package) with the Hugging Face "
                          "checkpoint: config.json, *.safetensors, tokenizer files.")
-    description: str = Field("", description="One line about the model, shown by `ember ls` and /info.")
-    license: str | None = Field(None, description="The weights' license, e.g. \"apache-2.0\".")
+    description: str = Field("", description="One line about the model, shown by the gateway's /models/NAME/info.")
+    license: str | None = Field(None, description="The weights' license, e.g. \"apache-2.0\" (shown by "
+                                "/models/NAME/info).")
 
     @field_validator("name")
     @classmethod
@@ -185,7 +186,8 @@ class KernelsSection(Section):
     """[kernels]: which attention backend runs the paged attention."""
 
     attention: str = Field(AUTO, description="An attention-backend plugin's name (e.g. \"torch\") or \"auto\".")
-    options: dict[str, Any] = Field(default_factory=dict, description="Passed to the attention backend.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Not supported yet (refused unless "
+                                    "empty): options for the attention backend.")
 
 
 class ScalingSection(Section):
@@ -241,12 +243,14 @@ class LoraEntry(Section):
 
 
 class ServingSection(Section):
-    """[serving]: request handling and disaggregated prefill/decode."""
+    """[serving]: request handling (disaggregated prefill/decode is reserved: not supported yet)."""
 
-    disaggregated: bool = Field(False, description="Run prefill and decode on separate replicas joined by "
-                                "the KV block transfer.")
-    prefill_replicas: int = Field(1, ge=1, description="Prefill replicas when disaggregated.")
-    decode_replicas: int = Field(1, ge=1, description="Decode replicas when disaggregated.")
+    disaggregated: bool = Field(False, description="Not supported yet (true is refused): run prefill and decode "
+                                "on separate replicas joined by the KV block transfer.")
+    prefill_replicas: int = Field(1, ge=1, description="Not supported yet (other than 1 is refused): prefill "
+                                  "replicas when disaggregated.")
+    decode_replicas: int = Field(1, ge=1, description="Not supported yet (other than 1 is refused): decode "
+                                 "replicas when disaggregated.")
     request_timeout: float = Field(600.0, description="Longest a request may run: seconds or \"10m\".")
     max_queue: int = Field(256, ge=0, description="Requests that may wait in the gateway for a running place "
                            "(beyond max_num_seqs per ready replica, or for a replica to start) before 429s.")

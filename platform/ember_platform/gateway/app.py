@@ -245,6 +245,8 @@ class Gateway:
         public = {
             "name": dep.name,
             "version": dep.active_version,
+            "description": active.manifest.model.description,
+            "license": active.manifest.model.license,
             "digest": active.digest,
             "versions": sorted(dep.versions),
             "state": str(state),

@@ -209,6 +209,7 @@ def test_info_reports_selections_and_cold_start_timings(served: Served) -> None:
     assert info["name"] == MODEL and info["version"] == "0.1.0" and info["digest"].startswith("sha256:")
     lock = json.loads((EXAMPLE / "ember.lock").read_text())
     assert info["digest"] == lock["digest"]
+    assert info["description"].startswith("A 5.0M-parameter Llama") and info["license"] == "Apache-2.0"  # [model]
     assert info["selections"]["attention"]["name"] and info["selections"]["attention"]["reason"]
     assert {"quantization", "speculator", "attention"} <= set(info["selections"])
     for phase in ("pull", "load", "quantize", "warmup", "first_token", "replica_start"):
