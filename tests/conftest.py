@@ -132,10 +132,10 @@ def plugin_dists(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     sources = {"techniques": FIXTURES / "ember-test-techniques", "broken": FIXTURES / "ember-broken-plugin",
                "parallel": FIXTURES / "ember-test-parallel", "speculator": FIXTURES / "ember-test-speculator"}
     for name, text in readme_plugin_sources().items():
-        dist, _, file_name = name.rpartition("/")
+        dist, _, file_name = name.partition("/") if "/" in name else ("", "", name)  # DIST/path/in/it.py
         dist = dist or "ember-redact"
         readme_src = root / "src" / dist
-        readme_src.mkdir(parents=True, exist_ok=True)
+        (readme_src / file_name).parent.mkdir(parents=True, exist_ok=True)
         (readme_src / file_name).write_text(text)
         sources[dist.removeprefix("ember-")] = readme_src
     sites = {}

@@ -29,6 +29,7 @@ from ember.hardware import Hardware, detect_hardware
 from ember.hooks import NAME, hookimpl
 from ember.kernel_ops import REGISTER_HOOK, KernelOpRegistry, collect_kernel_ops
 from ember.manifest import AUTO, NONE, Manifest, load_manifest
+from ember.manifest.schema import COMPOSE
 from ember.manifest.unsupported import refuse_unconsumed_selection
 from ember.postprocess import FilterStage, OutputHookError, OutputPipeline, WholeOutputStage
 from ember.selection import Selection, SelectionReport
@@ -187,8 +188,9 @@ class PluginHost:
             spec = KINDS[kind]
             assert spec.manifest_key is not None
             value = _manifest_value(manifest, spec.manifest_key)
-            if value not in spec.reserved and self.techniques.get(kind, value) is None:
-                raise PluginError(f"{source}: {spec.manifest_key}: {unknown_technique_message(self, kind, value)}")
+            missing = [part for part in _composed(kind, value) if self.techniques.get(kind, part) is None]
+            if value not in spec.reserved and missing:
+                raise PluginError(f"{source}: {spec.manifest_key}: {unknown_technique_message(self, kind, missing[0])}")
             given = _given_options(manifest, kind)
             if given and value in spec.reserved:
                 # The manifest's options go to the technique it names: with "none" or "auto" none gets them.
@@ -199,6 +201,13 @@ class PluginHost:
 
     def _check_options(self, kind: str, name: str, given: Iterable[str], where: str) -> None:
         """PluginError for the first option key the technique `name` does not declare that it reads."""
+        parts = _composed(kind, name)
+        if len(parts) > 1:  # composed quantization methods: a table per method (the engine checks each table)
+            stray = sorted(set(given) - set(parts))
+            if stray:
+                raise PluginError(f"{where}: {_option_key(kind, stray[0])}: with several methods ({', '.join(parts)}), "
+                                  "[quantization] options are tables named after them")
+            return
         technique = self.techniques.get(kind, name)
         if technique is None or kind not in _OPTION_SECTIONS:
             return
@@ -229,9 +238,10 @@ class PluginHost:
                 decided_by = "ember's auto fallback"
             else:
                 decided_by = "manifest"
-            if selection.name not in (NONE,) and self.techniques.get(kind, selection.name) is None:
+            missing = [p for p in _composed(kind, selection.name) if self.techniques.get(kind, p) is None]
+            if selection.name not in (NONE,) and missing:
                 raise PluginError(f"{decided_by} chose {kind} '{selection.name}': "
-                                  f"{unknown_technique_message(self, kind, selection.name)}")
+                                  f"{unknown_technique_message(self, kind, missing[0])}")
             options = selection.options
             if not options and (kind == "parallelism"
                                 or selection.name == _manifest_value(manifest, spec.manifest_key or "")):
@@ -357,6 +367,11 @@ def _manifest_value(manifest: Manifest, dotted_key: str) -> Any:
     for part in dotted_key.split("."):
         value = getattr(value, part)
     return value
+
+
+def _composed(kind: str, name: str) -> list[str]:
+    """The techniques a selected name stands for: several for composed quantization methods ("smooth+int8")."""
+    return name.split(COMPOSE) if kind == "quantization" else [name]
 
 
 def _given_options(manifest: Manifest, kind: str) -> list[str]:

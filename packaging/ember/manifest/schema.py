@@ -129,12 +129,31 @@ class RuntimeSection(Section):
         return self
 
 
+COMPOSE = "+"  # how a composition of quantization methods is named once read: "smooth+int8"
+
+
 class QuantizationSection(Section):
-    """[quantization]: a quantizer plugin by name, "auto", or "none"."""
+    """[quantization]: a quantizer plugin by name, several composed in order, "auto", or "none"."""
 
     method: str = Field(NONE, description="A quantization plugin's name, \"auto\" (hardware-aware plugins "
-                        "decide) or \"none\".")
-    options: dict[str, Any] = Field(default_factory=dict, description="Passed to the quantizer.")
+                        "decide), \"none\", or a list of names composed in order (e.g. [\"smooth\", \"int8\"]: the "
+                        "last stores the weights, the ones before it transform them), kept as \"smooth+int8\".")
+    options: dict[str, Any] = Field(default_factory=dict, description="Passed to the quantizer; with several "
+                                    "methods, one table per method name ([quantization.options.int8]).")
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _compose(cls, v: Any) -> Any:
+        if not isinstance(v, list):
+            return v
+        names = [str(name) for name in v]
+        if not names:
+            raise ValueError(f"an empty list of methods; for full precision write \"{NONE}\"")
+        if any(name in (AUTO, NONE) or COMPOSE in name for name in names):
+            raise ValueError(f"a list of methods names plugins, not \"{AUTO}\", \"{NONE}\" or names with '{COMPOSE}'")
+        if len(set(names)) != len(names):
+            raise ValueError(f"a method is listed twice: {names}")
+        return COMPOSE.join(names)
 
 
 class SpeculatorSection(Section):

@@ -86,6 +86,11 @@ def resolve_chain(selection: SelectionReport, plugins: PluginHost,
         if len(names) > 1 and not isinstance(own, Mapping):
             raise QuantizationError(f"[quantization] options.{name}: with several methods, options are tables "
                                     f"keyed by method name, got {own!r}")
+        unread = sorted(set(own) - set(technique.options)) if len(names) > 1 else []
+        if unread:  # one technique's own table (the manifest check covers a single technique's options)
+            reads = f"reads only {', '.join(technique.options)}" if technique.options else "reads no options"
+            raise QuantizationError(f"[quantization] options.{name}.{unread[0]}: not supported by quantization "
+                                    f"'{name}', which {reads}")
         chain.append((name, cls, dict(own)))
     return chain
 
