@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +46,13 @@ def test_registers_every_op_lazily_and_is_listed() -> None:
 @native
 def test_engine_table_tries_the_native_kernels_first() -> None:
     assert engine_ops().describe() == {op: f"kernels-cpu:{op} > torch" for op in REFERENCES}
+
+
+def test_explain_shows_the_order_each_op_is_tried_in() -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama"
+    shown = subprocess.run([sys.executable, "-m", "ember", "explain", str(example), "--json"], capture_output=True,
+                           text=True, check=True)
+    assert json.loads(shown.stdout)["kernel_ops"] == {op: f"kernels-cpu:{op} > torch" for op in REFERENCES}
 
 
 def test_native_kernels_off_leaves_the_torch_references() -> None:
@@ -104,6 +112,7 @@ def test_model_linear_uses_the_native_kernel_for_few_rows(rows: int, with_bias: 
     layer.weight.data.copy_(weight)
     if with_bias:
         layer.bias.data.copy_(bias)
+    layer.finish_loading()  # as the loader does once a layer's tensors are in
     b = bias if with_bias else None
     with torch.inference_mode():
         out = layer(x.view(1, rows, 48))

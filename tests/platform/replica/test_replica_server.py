@@ -143,6 +143,9 @@ def test_health_ready_and_info_of_a_ready_replica(replica: ReplicaProcess) -> No
     assert info["digest"].startswith("sha256:") and info["max_model_len"] == 2048
     assert info["selections"]["attention"]["name"] == "torch"
     assert set(info["selections"]["quantization"]) == {"kind", "name", "options", "reason", "decided_by"}
+    # Per kernel op, what the engine tries in order: the built-in native CPU kernel where it builds, then torch.
+    assert set(info["kernel_ops"]) == {"rms_norm", "silu_and_mul", "rotary", "write_kv", "linear"}
+    assert all(order.endswith("torch") for order in info["kernel_ops"].values())
     assert set(info["timings"]) == {"load", "quantize", "warmup", "first_token"}
     assert all(isinstance(v, float) and v >= 0 for v in info["timings"].values())
     assert info["stats"]["kv_blocks_total"] > 0 and info["requests_in_flight"] == 0
