@@ -59,7 +59,7 @@ from typing import Any
 
 from common import EXAMPLE_MODEL, emit, environment, median, parse_args, print_table, random_code_tokens, spread
 
-from ember_platform.control.launcher import die_with_parent
+from ember_plugins.launchers.local import die_with_parent
 
 TARGET = 0.9  # gateway tokens/s over in-process tokens/s: at most 10% lost
 SEED = 1234

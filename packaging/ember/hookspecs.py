@@ -92,6 +92,16 @@ def ember_kernel_ops(register: RegisterKernelOp) -> None:
     """
 
 
+@hookspec
+def ember_launchers(register: Register) -> None:
+    """Register launchers: where the control plane runs replicas, e.g. "local" (child processes), "ray".
+
+    `impl` is a factory `(ember.launch.LaunchSettings) -> ember.launch.Launcher`; `ember serve --launcher NAME`
+    picks one ("local" by default). A launcher gets a `ReplicaSpec` per replica (registry reference and digest,
+    never a local path; resources; role; the secret to hand over) and reports its status (ember/launch.py).
+    """
+
+
 # --- selection ----------------------------------------------------------------------------
 
 

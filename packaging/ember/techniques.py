@@ -32,6 +32,7 @@ KINDS: dict[str, TechniqueKind] = {
         TechniqueKind("parallelism", "ember_parallel_strategies", "ember_select_parallelism",
                       "parallelism.strategy", ("auto", "none")),
         TechniqueKind("routing_scorer", "ember_routing_scorers", None, None, ()),
+        TechniqueKind("launcher", "ember_launchers", None, None, ()),
     )
 }
 

@@ -11,15 +11,16 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import uvicorn
 
 from ember.errors import EmberError
+from ember.launch import LaunchSettings
 from ember.registry import BlobCache, open_registry, push_package, short_digest
 from ember_platform.control.home import serve_home
-from ember_platform.control.launcher import LocalProcessLauncher
+from ember_platform.control.launchers import DEFAULT_LAUNCHER, build_launcher
 from ember_platform.control.plane import ControlPlane
 from ember_platform.gateway.app import create_app
 from ember_platform.gateway.auth import ADMIN_KEY_ENV, Authenticator, KeyStore
@@ -110,8 +111,10 @@ def _routing(redis_url: str | None, say: Callable[[str], None],
 
 def serve(package_dirs: Sequence[Path] = (), *, host: str = "127.0.0.1", port: int = 8000,
           registry_url: str | None = None, endpoint_url: str | None = None, no_auth: bool = False,
-          redis_url: str | None = None, log_level: str = "info", say: Callable[[str], None] | None = None) -> int:
+          redis_url: str | None = None, log_level: str = "info", say: Callable[[str], None] | None = None,
+          launcher: str = DEFAULT_LAUNCHER, launcher_options: Mapping[str, str] | None = None) -> int:
     """Build and push each package dir, then serve until interrupted, deploying them once the gateway listens.
+    `launcher`: the installed launcher plugin that runs the replicas, built with `launcher_options`.
 
     Prints `EMBER_SERVE_READY http://HOST:PORT` when every package's replicas are ready. Returns the exit code.
     """
@@ -125,6 +128,9 @@ def serve(package_dirs: Sequence[Path] = (), *, host: str = "127.0.0.1", port: i
                         format="%(levelname)s:     %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness probe otherwise
     home.mkdir(parents=True, exist_ok=True)
+    # An unknown launcher or option is refused here, before anything is pushed or listens.
+    replica_launcher = build_launcher(launcher, LaunchSettings(home=home, redis_url=redis_url,
+                                                               options=dict(launcher_options or {})))
     registry = open_registry(registry_url, endpoint_url)
     references = []
     for package_dir in package_dirs:  # a broken package fails here, before anything listens
@@ -136,9 +142,7 @@ def serve(package_dirs: Sequence[Path] = (), *, host: str = "127.0.0.1", port: i
     url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
 
     plane = ControlPlane(registry, packages_dir=home / "packages", cache=BlobCache.default(),
-                         launcher=LocalProcessLauncher(log_dir=home / "logs", redis_url=redis_url,
-                                                       secret=replica_secret),
-                         routing_tables=tables)
+                         launcher=replica_launcher, replica_secret=replica_secret, routing_tables=tables)
     state: dict[str, object] = {"ready": False, "failed": None}
     server: _Server | None = None
     tasks: set[asyncio.Task[None]] = set()

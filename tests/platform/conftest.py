@@ -70,3 +70,47 @@ def until_fixture() -> Callable[..., Any]:
 def one_thread_per_replica(monkeypatch: pytest.MonkeyPatch) -> None:
     """Replica processes started by the test use one torch thread each: several share this machine's cores."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+async def launch_replica(launcher: Any, spec: Any, timeout: float = 120.0) -> Any:
+    """Start `spec` with `launcher` (ember.launch) and wait until it runs; its handle. Raises when it exits first."""
+    from ember.launch import LaunchState
+
+    handle = await launcher.start(spec)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while (status := await launcher.status(handle)).state is LaunchState.STARTING:
+        if loop.time() > deadline:
+            await launcher.stop(handle, 0)
+            raise AssertionError(f"{spec.label} was not running within {timeout:.0f} s")
+        await asyncio.sleep(0.05)
+    if status.state is LaunchState.EXITED:
+        raise AssertionError(f"{spec.label} exited: {status.reason}")
+    return handle
+
+
+def replica_spec(registry: Any, package_dir: Path, **fields: Any) -> Any:
+    """A ReplicaSpec for the package pushed from `package_dir` to `registry` (pushed now), as the control plane makes
+    one: registry reference and digest, a fresh secret."""
+    import uuid
+
+    from ember.launch import ReplicaSpec
+    from ember.registry import push_package
+    from ember_platform.replica.auth import new_secret
+
+    lock = push_package(package_dir, registry).lock
+    return ReplicaSpec(**{"deployment": lock.name, "version": lock.version, "digest": lock.digest,
+                          "registry_url": registry.url, "replica_id": uuid.uuid4().hex[:8], "secret": new_secret(),
+                          **fields})
+
+
+@pytest.fixture(name="launch_replica", scope="session")
+def launch_replica_fixture() -> Callable[..., Any]:
+    """await launch_replica(launcher, spec, timeout=120) -> the launcher's handle, once the replica runs."""
+    return launch_replica
+
+
+@pytest.fixture(name="replica_spec", scope="session")
+def replica_spec_fixture() -> Callable[..., Any]:
+    """replica_spec(registry, package_dir, **fields) -> a ReplicaSpec of the package, pushed to `registry` now."""
+    return replica_spec

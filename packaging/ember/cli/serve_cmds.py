@@ -40,6 +40,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "replicas (default: in-process tables); EMBER_ROUTING=round-robin turns KV-aware routing off")
     p.add_argument("--no-auth", action="store_true", help="accept requests without API keys (local development "
                    "only: anyone who can reach the port can use and administer every model)")
+    p.add_argument("--launcher", metavar="NAME", default=os.environ.get("EMBER_LAUNCHER") or "local",
+                   help="the launcher plugin that runs the replicas (default: $EMBER_LAUNCHER, else local: child "
+                   "processes on this machine); `ember plugins` lists the installed ones")
+    p.add_argument("--launcher-option", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
+                   help="a setting of the launcher, e.g. gpus=0,1 for local (repeatable)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
 
@@ -97,7 +102,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve = platform_command("serve")
     return serve(args.dirs, host=args.host, port=args.port, registry_url=args.registry,
                  endpoint_url=args.endpoint_url, no_auth=args.no_auth, redis_url=args.redis_url,
-                 log_level=args.log_level, say=lambda line: err_console.print(line, markup=False))
+                 log_level=args.log_level, say=lambda line: err_console.print(line, markup=False),
+                 launcher=args.launcher, launcher_options=dict(args.launcher_option))
 
 
 def platform_command(name: str) -> Any:
@@ -118,6 +124,13 @@ def platform_command(name: str) -> Any:
     except ImportError as e:
         raise EmberError(f"`ember {name}` needs the serving platform's dependencies ({e}): "
                          "pip install 'ember[serve]'") from e
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, eq, value = text.partition("=")
+    if not eq or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value
 
 
 def _error_message(response: Any) -> str:

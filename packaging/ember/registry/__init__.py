@@ -2,6 +2,7 @@
 
 from ember.registry.base import Registry, blob_key, index_key, short_digest
 from ember.registry.cache import BlobCache
+from ember.registry.checkout import Checkout, checkout
 from ember.registry.connect import open_registry
 from ember.registry.local import LocalRegistry
 from ember.registry.reference import parse_reference, sort_versions
@@ -17,12 +18,14 @@ from ember.registry.transfer import (
 
 __all__ = [
     "BlobCache",
+    "Checkout",
     "LocalRegistry",
     "PackageInfo",
     "PullResult",
     "PushResult",
     "Registry",
     "blob_key",
+    "checkout",
     "index_key",
     "list_packages",
     "open_registry",

@@ -16,7 +16,6 @@ from ember_platform.control.backoff import RestartBackoff
 
 if TYPE_CHECKING:
     from ember.manifest import Manifest
-    from ember_platform.control.launcher import ReplicaHandle
 
 MAX_EVENTS = 50
 
@@ -31,12 +30,15 @@ class ReplicaState(StrEnum):
 
 @dataclass(eq=False, slots=True)
 class Replica:
-    """One replica process of one version of a deployment."""
+    """One replica of one version of a deployment (run by the launcher, or found in shared routing tables)."""
 
     version: str
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     state: ReplicaState = ReplicaState.STARTING
-    handle: ReplicaHandle | None = None
+    handle: Any = None              # the launcher's handle for it (ember.launch): opaque, passed back to it
+    local_url: str | None = None    # where it serves, once the launcher reports it running
+    local_secret: str | None = field(default=None, repr=False)  # what its ReplicaSpec told it to require
+    launch_info: dict[str, Any] = field(default_factory=dict)   # the launcher's `describe` (pid, log, node)
     created_at: float = field(default_factory=time.time)
     start_s: float | None = None  # launch -> ready, as the control plane saw it
     ready_at: float | None = None  # monotonic time it became ready (the crash-loop backoff forgives after a while)
@@ -48,16 +50,16 @@ class Replica:
 
     @property
     def url(self) -> str | None:
-        return self.handle.url if self.handle else self.remote_url
+        return self.local_url or self.remote_url
 
     @property
     def secret(self) -> str | None:
         """What the replica requires in `Authorization: Bearer ...` (replica/auth.py)."""
-        return self.handle.secret if self.handle else self.remote_secret
+        return self.local_secret or self.remote_secret
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "version": self.version, "state": str(self.state), "url": self.url,
-                "pid": self.handle.pid if self.handle else None, "in_flight": self.in_flight,
+                "pid": self.launch_info.get("pid"), "launcher": self.launch_info, "in_flight": self.in_flight,
                 "served": self.served, "start_s": self.start_s, "created_at": self.created_at}
 
 

@@ -1,4 +1,7 @@
-"""`python -m ember_platform.replica --package DIR ...`: one replica process serving one model package."""
+"""`python -m ember_platform.replica --package DIR ...`: one replica process serving one model package.
+
+Or `--registry URL --reference NAME:VERSION --digest sha256:...`, as launchers start it (ember.launch): the replica
+checks the package out itself, through a blob cache on its machine, and refuses one with another digest."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from ember.errors import EmberError
@@ -32,8 +36,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m ember_platform.replica",
         description=f"Serve one Ember package over HTTP (OpenAI-compatible). Prints '{READY_LINE} URL' once ready.")
-    parser.add_argument("--package", required=True, metavar="DIR",
-                        help="an Ember package dir (or a Hugging Face checkpoint dir)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--package", metavar="DIR", help="an Ember package dir (or a Hugging Face checkpoint dir)")
+    source.add_argument("--registry", metavar="URL",
+                        help="pull the package from this registry (a directory or s3://bucket/prefix); with "
+                             "--reference and --digest")
+    parser.add_argument("--reference", metavar="NAME:VERSION", help="with --registry: the package to serve")
+    parser.add_argument("--digest", metavar="sha256:...", help="with --registry: the digest the package must have")
+    parser.add_argument("--endpoint-url", metavar="URL", help="with an s3:// --registry: the S3 endpoint")
+    parser.add_argument("--packages-dir", metavar="DIR", type=Path, default=None,
+                        help="with --registry: where packages are checked out (default: $EMBER_HOME/serve/packages)")
+    parser.add_argument("--blob-cache", metavar="DIR", type=Path, default=None,
+                        help="with --registry: the blob cache pulls go through (default: the user's blob cache)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default: 0)")
     parser.add_argument("--override", action="append", type=parse_override, default=[], metavar="KEY=VALUE",
@@ -69,13 +83,27 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(max(1, args.threads))
     try:
+        package = args.package or _checkout(args)
         # checks the package and overrides; loads nothing yet
-        replica = Replica(args.package, dict(args.override), stream_event_rate=args.stream_event_rate)
+        replica = Replica(package, dict(args.override), stream_event_rate=args.stream_event_rate)
     except (EmberError, OSError, TypeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return serve(replica, host=args.host, port=args.port, drain_timeout=args.drain_timeout, log_level=args.log_level,
                  redis_url=args.redis_url, secret=_secret(args.no_auth))
+
+
+def _checkout(args: argparse.Namespace) -> Path:
+    """The package a launcher named by registry reference and digest, checked out on this machine."""
+    from ember.registry import BlobCache, checkout, open_registry
+    from ember_platform.control.home import serve_home
+
+    if not args.reference or not args.digest:
+        raise EmberError("--registry needs --reference NAME:VERSION and --digest sha256:...")
+    registry = open_registry(args.registry, args.endpoint_url)
+    cache = BlobCache(args.blob_cache) if args.blob_cache else BlobCache.default()
+    packages_dir = args.packages_dir or serve_home() / "packages"
+    return checkout(registry, args.reference, packages_dir, cache, digest=args.digest).path
 
 
 def _secret(no_auth: bool) -> str | None:

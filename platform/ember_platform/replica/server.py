@@ -19,13 +19,14 @@ from typing import Any, TypeVar
 
 import uvicorn
 
+from ember.launch import READY_LINE
 from ember_platform.gateway.connections import ConnectionLimits, guarded_protocol
 from ember_platform.replica.app import STARTING, Replica, create_app
 from ember_platform.replica.routing import RoutingPresence
 
 log = logging.getLogger("ember.replica")
 
-READY_LINE = "EMBER_REPLICA_READY"  # printed with the URL once /ready answers 200; launchers wait for it
+# READY_LINE (ember.launch) is printed with the URL once /ready answers 200; process launchers wait for it
 LISTENING_LINE = "EMBER_REPLICA_LISTENING"  # printed with the URL once /health answers (the model still loads)
 DEFAULT_DRAIN_TIMEOUT = 30.0
 # After the drain, connections still open (idle keep-alives, or requests past the drain timeout) get this long.

@@ -12,9 +12,9 @@ import pytest
 from ember.registry import BlobCache, LocalRegistry, push_package
 from ember_platform.control.autoscaler import ScaleMemory, ScalingPolicy, decide, wanted_replicas
 from ember_platform.control.deployments import Replica, ReplicaState
-from ember_platform.control.launcher import LocalProcessLauncher
 from ember_platform.control.plane import ControlPlane
 from ember_platform.replica.auth import auth_headers
+from ember_plugins.launchers.local import LocalProcessLauncher
 
 POLICY = ScalingPolicy(min_replicas=0, max_replicas=3, target_concurrency=4, scale_down_delay=10.0)
 

@@ -14,7 +14,6 @@ import pytest
 
 from ember.registry import BlobCache, LocalRegistry, push_package
 from ember_platform.control.deployments import ReplicaState
-from ember_platform.control.launcher import LocalProcessLauncher
 from ember_platform.control.plane import (
     Conflict,
     ControlPlane,
@@ -23,6 +22,7 @@ from ember_platform.control.plane import (
     NoReplicaAvailable,
     VersionNotFound,
 )
+from ember_plugins.launchers.local import LocalProcessLauncher
 
 T = TypeVar("T")
 

@@ -12,7 +12,6 @@ import pytest
 
 from ember.manifest import parse_manifest
 from ember_platform.control.deployments import Replica, ReplicaState
-from ember_platform.control.launcher import ReplicaHandle
 from ember_platform.control.plane import NoReplicaAvailable
 from ember_platform.gateway.metrics import GatewayMetrics
 from ember_platform.gateway.proxy import POOL_KEEPALIVE_S, Proxy
@@ -61,7 +60,7 @@ class OneReplicaPlane:
     """The part of the control plane the proxy uses, over one ready replica at `url`."""
 
     def __init__(self, url: str) -> None:
-        self.replica = Replica(version="1", state=ReplicaState.READY, handle=ReplicaHandle(url=url))
+        self.replica = Replica(version="1", state=ReplicaState.READY, local_url=url)
         # A version without a hooks.py: its request hooks (the installed plugins') leave the body as it is.
         version = SimpleNamespace(version="1", package_dir=Path(__file__).parent, digest=None,
                                   manifest=parse_manifest({"model": {"name": "m", "version": "1"}}))

@@ -12,9 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ember_platform.control.launcher import LocalProcessLauncher, default_replica_threads
+from ember.launch import ReplicaSpec
 from ember_platform.replica import DRAINING, FAILED, READY, STARTING, Replica, create_app
 from ember_platform.replica.__main__ import build_parser, parse_override
+from ember_plugins.launchers.local import LocalProcessLauncher, default_replica_threads
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny-llama"
 
@@ -200,6 +201,8 @@ def test_the_launcher_leaves_a_core_to_the_http_side_unless_omp_num_threads_deci
     cores = len(os.sched_getaffinity(0))
     assert default_replica_threads({}) == max(1, cores - 1)
     assert default_replica_threads({"OMP_NUM_THREADS": "3"}) is None  # torch reads it itself
-    command = LocalProcessLauncher(log_dir=tmp_path, threads=3).command(EXAMPLE, {})
+    spec = ReplicaSpec(deployment="tiny-llama", version="0.1.0", digest="sha256:" + "0" * 64, registry_url="reg",
+                       replica_id="r1", secret="s")
+    command = LocalProcessLauncher(log_dir=tmp_path, threads=3).command(spec)
     assert command[command.index("--threads") + 1] == "3"
     assert build_parser().parse_args(["--package", "p", "--threads", "3"]).threads == 3

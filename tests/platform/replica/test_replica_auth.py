@@ -9,15 +9,18 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from ember_platform.control.launcher import LocalProcessLauncher, ReplicaHandle
+from ember.registry import LocalRegistry
 from ember_platform.replica.auth import SECRET_ENV, SECRET_FILE, auth_headers, cluster_secret
+from ember_plugins.launchers.local import LocalProcessLauncher
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny-llama"
 COMPLETION = {"model": "tiny-llama", "prompt": [1, 2, 3], "max_tokens": 1}
@@ -26,16 +29,26 @@ PROTECTED = [("POST", "/v1/completions", COMPLETION),
              ("POST", "/sleep", None), ("POST", "/wake", None), ("GET", "/info", None)]
 
 
+@dataclass(frozen=True)
+class Launched:
+    url: str
+    pid: int
+    secret: str
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaHandle]:
+def launched(tmp_path_factory: pytest.TempPathFactory, example_copy: Callable[..., Path],
+             replica_spec: Callable[..., Any], launch_replica: Callable[..., Any]) -> Iterator[Launched]:
     """One replica started by the launcher the gateway uses, with one torch thread (the machine's cores are shared)."""
-    launcher = LocalProcessLauncher(log_dir=tmp_path_factory.mktemp("logs"), drain_timeout=5, threads=1)
+    root = tmp_path_factory.mktemp("auth")
+    spec = replica_spec(LocalRegistry(root / "registry"), example_copy(root / "pkg"))
+    launcher = LocalProcessLauncher(log_dir=root / "logs", drain_timeout=5, threads=1)
     loop = asyncio.new_event_loop()
-    handle = loop.run_until_complete(launcher.start(EXAMPLE, {}, label="auth"))
+    handle = loop.run_until_complete(launch_replica(launcher, spec))
     try:
-        yield handle
+        yield Launched(handle.url, handle.pid, spec.secret)
     finally:
-        loop.run_until_complete(launcher.stop(handle, graceful=False))
+        loop.run_until_complete(launcher.stop(handle, 0))
         loop.close()
 
 
@@ -49,20 +62,20 @@ def _assert_refused(response: httpx.Response, code: str = "invalid_replica_secre
 
 
 @pytest.mark.parametrize(("method", "path", "body"), PROTECTED, ids=[p for _, p, _ in PROTECTED])
-def test_a_local_process_without_the_secret_is_refused(launched: ReplicaHandle, method: str, path: str,
+def test_a_local_process_without_the_secret_is_refused(launched: Launched, method: str, path: str,
                                                        body: dict | None) -> None:
     for headers in ({}, {"Authorization": "Bearer not-the-secret"}, {"Authorization": f"Basic {launched.secret}"},
                     {"Authorization": f"Bearer {launched.secret}x"}):
         _assert_refused(httpx.request(method, f"{launched.url}{path}", json=body, headers=headers, timeout=30))
 
 
-def test_the_secret_travels_in_the_environment_never_in_argv(launched: ReplicaHandle) -> None:
+def test_the_secret_travels_in_the_environment_never_in_argv(launched: Launched) -> None:
     assert launched.secret and len(launched.secret) >= 32
     assert launched.secret.encode() not in Path(f"/proc/{launched.pid}/cmdline").read_bytes()
     assert f"{SECRET_ENV}={launched.secret}".encode() in Path(f"/proc/{launched.pid}/environ").read_bytes()
 
 
-def test_probes_stay_open_and_the_secret_opens_everything_else(launched: ReplicaHandle) -> None:
+def test_probes_stay_open_and_the_secret_opens_everything_else(launched: Launched) -> None:
     assert httpx.get(f"{launched.url}/health", timeout=10).json() == {"status": "ok"}
     assert httpx.get(f"{launched.url}/ready", timeout=10).status_code == 200
     assert "ember_requests_finished_total" in httpx.get(f"{launched.url}/metrics", timeout=10).text

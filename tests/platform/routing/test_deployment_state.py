@@ -13,12 +13,12 @@ import httpx
 import pytest
 
 from ember.registry import BlobCache, LocalRegistry, push_package
-from ember_platform.control.launcher import LocalProcessLauncher
 from ember_platform.control.plane import ControlPlane
 from ember_platform.gateway.app import create_app
 from ember_platform.routing import DeploymentState
 from ember_platform.routing.memory import InProcessTables
 from ember_platform.routing.redis_tables import RedisTables
+from ember_plugins.launchers.local import LocalProcessLauncher
 
 MODEL = "tiny-llama"
 T = TypeVar("T")
