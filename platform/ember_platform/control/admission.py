@@ -25,7 +25,8 @@ class RequestAdmission(PlaneCore):
         A deployment scaled to zero starts a replica for the first waiting request (a cold start); one whose
         replicas died waits for their replacements. `admitted`: the caller holds a place in the gateway's admission
         gate (gateway/admission.py), which bounded it already, so NAME's queue bound is not applied a second time.
-        Raises DeploymentNotFound, QueueFull, or NoReplicaAvailable after `timeout` (default: `wait_timeout`).
+        Raises DeploymentNotFound, QueueFull, or NoReplicaAvailable after `timeout` (default: `wait_timeout`), or at
+        once while NAME's replicas keep failing and the next restart waits out its backoff (backoff.py).
         """
         dep = self.get(name)
 
