@@ -69,6 +69,7 @@ def main() -> None:
     from tokenizers import Tokenizer
 
     from ember_platform import LLM, SamplingParams
+    from ember_platform.engine.linear_method import UNQUANTIZED, set_linear_methods
     from ember_platform.engine.models import build_model
     from ember_platform.engine.models.loader import load_weights
     from ember_plugins.attention.torch_paged import TorchPagedAttention
@@ -81,8 +82,10 @@ def main() -> None:
     if args.windows:
         windows = windows[: args.windows]
 
-    def loaded_model():
+    def loaded_model(quantizer=None):
         model = build_model(EXAMPLE / "weights", TorchPagedAttention, torch.float32)
+        if quantizer is not None:  # each layer's int8 method, quantizing on load
+            set_linear_methods(model, lambda spec: quantizer.linear_method(spec, UNQUANTIZED), torch.float32)
         load_weights(model, EXAMPLE / "weights")
         return model
 
@@ -97,7 +100,7 @@ def main() -> None:
     for kernel in kernels:
         # The dense path off: every row, prefill windows included, goes through the kernel under test.
         options = {"kernel": kernel, "dense_threshold": -1}
-        loss = held_out_loss(Int8Quantizer(options).quantize(loaded_model()), windows)
+        loss = held_out_loss(loaded_model(Int8Quantizer(options)), windows)
         quantized = LLM(EXAMPLE, quantization="int8", quantization_options=options).generate(prompts, params)
         pairs = list(zip(reference, quantized, strict=True))
         agree = [sum(x == y for x, y in zip(o.token_ids, q.token_ids, strict=True)) / 64 for o, q in pairs]
