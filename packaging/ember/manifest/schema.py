@@ -106,8 +106,8 @@ class RuntimeSection(Section):
     kv_cache_memory_gb: float | None = Field(
         None, gt=0, description="Memory for the KV cache in GiB; default: a fraction of free device memory.")
     memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="Fraction of device memory the engine may use when kv_cache_memory_gb "
-        "is not set.")
+        0.9, gt=0, le=1, description="Fraction of free GPU memory the KV cache may use when kv_cache_memory_gb "
+        "is not set (on a CPU, which shares host RAM, the KV cache takes min(4 GiB, a quarter of RAM) instead).")
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of prompt prefixes seen before.")
     accelerator: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Device to run on; \"auto\" uses a GPU when one is present.")
