@@ -13,3 +13,5 @@ def ember_quantizers(register) -> None:
              summary="loads checkpoints already quantized to int8 in the compressed-tensors format "
                      "(config.json quantization_config), straight into the int8 kernels",
              options=("kernel", "dense_threshold"))
+    register("gptq", "ember_plugins.quantization.gptq:GPTQQuantizer",
+             summary="loads GPTQ 4-bit checkpoints (config.json quantization_config); plain-torch dequantize-matmul")
