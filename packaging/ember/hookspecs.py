@@ -46,7 +46,13 @@ class Register(Protocol):
 
 @hookspec
 def ember_quantizers(register: Register) -> None:
-    """Register quantization techniques (weight-only or weight+activation), e.g. "int8"."""
+    """Register quantization techniques (weight-only or weight+activation), e.g. "int8".
+
+    `impl` is a `Quantizer` subclass (`ember_platform.api`), built with the `[quantization] options`: it picks each
+    linear layer's `LinearMethod` (create_weights / load_weight / after_loading / apply) before the weights load,
+    may compose with others in a declared order, may ask for calibration, and, registered under a config.json
+    `quant_method` ("compressed-tensors", "gptq"), loads checkpoints quantized in that layout.
+    """
 
 
 @hookspec

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import SafetensorError
 from torch import nn
 
 from ember_platform.engine.calibration import CalibrationContext, calibration_text
@@ -125,7 +124,7 @@ def load_quantized(model: nn.Module, build: Callable[[], nn.Module], *, source: 
                 log.info("quantized weights restored from the cache: %s", entry)
                 return model, QuantizedLoad(names, {"load": time.perf_counter() - t0, "quantize": 0.0}, True,
                                             methods)
-            except (OSError, SafetensorError, ValueError) as e:
+            except (OSError, ValueError) as e:  # QuantizationError is a ValueError
                 log.warning("quantized-weight cache entry %s is unreadable (%s); quantizing again", entry, e)
                 cache.discard(key)
                 model = build()
@@ -151,15 +150,15 @@ def load_quantized(model: nn.Module, build: Callable[[], nn.Module], *, source: 
 
 def _restored_factory(chain: list[Quantizer]) -> Callable[[LinearSpec], LinearMethod] | None:
     """The factory of the methods that load a cache entry back, or None when a technique cannot restore."""
-    probe = LinearSpec("probe", 1, ((None, 1),), False, torch.float32, ("probe",))
-    if any(t.restored_method(probe, UNQUANTIZED) is None for t in chain):
-        return None
+    if any(type(t).restored_method is Quantizer.restored_method for t in chain):
+        return None  # a technique that does not say how to load what it made back
 
     def factory(spec: LinearSpec) -> LinearMethod:
         method: LinearMethod = UNQUANTIZED
         for technique in reversed(chain):
             restored = technique.restored_method(spec, method)
-            assert restored is not None
+            if restored is None:
+                raise QuantizationError(f"{spec.prefix}: quantization cannot restore this layer from the cache")
             method = restored
         return method
 

@@ -83,6 +83,8 @@ class SafetensorsFile:
             raise ValueError(f"{self.path}: tensor '{name}' has dtype {info['dtype']}, which this loader does not read")
         shape, (start, end) = info["shape"], self._span(name)
         count = end - start
+        if end > (len(self._map) if self._map is not None else 0) and count:
+            raise ValueError(f"{self.path}: truncated (tensor '{name}' ends at byte {end}, past the end of the file)")
         if count == 0 or self._map is None:
             return torch.empty(shape, dtype=dtype)
         itemsize = torch.empty((), dtype=dtype).element_size()
