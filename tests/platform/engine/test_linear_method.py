@@ -151,3 +151,10 @@ def test_spec_names_the_checkpoint_modules_of_a_fused_layer() -> None:
     assert qkv.checkpoint_prefixes == tuple(f"model.layers.0.self_attn.{p}_proj" for p in "qkv")
     assert qkv.shards == (("q", 256), ("k", 128), ("v", 128)) and qkv.kind == "qkv_proj"
     assert specs["lm_head"].checkpoint_prefixes == ("lm_head",)
+
+
+def test_calibration_text_is_the_packages_own_when_it_has_one(tmp_path: Path) -> None:
+    text, source = calibration_text(tmp_path)
+    assert source.name == "calibration.txt" and source.parent.name == "data" and "def merge_intervals" in text
+    (tmp_path / "calibration.txt").write_text("SELECT 1;\n" * 40)
+    assert calibration_text(tmp_path) == ("SELECT 1;\n" * 40, tmp_path / "calibration.txt")
