@@ -200,6 +200,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.finalized:  # loaded but not finalized: calibration runs on the full-precision weight
+            if not self.method.full_precision_until_loaded:
+                raise RuntimeError(f"{self.method.describe(self)}: this layer holds stored (quantized) tensors and "
+                                   "computes only once finalized; calibration needs full-precision methods")
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return self.method.apply(self, x, self.bias)
 
