@@ -116,7 +116,8 @@ def copy_shard(layer: Linear, param: torch.Tensor, loaded: torch.Tensor, shard_i
     if shard_id not in layer.shard_offsets:
         raise ValueError(f"unknown shard {shard_id!r}; this layer packs {list(layer.shard_offsets)}")
     dim = getattr(param, "output_dim", 0)
-    if dim is None:  # the same for every shard (a per-tensor scale, an act-order index): each shard must agree
+    if dim is None:  # one tensor for all shards (an input-side index): each shard's copy overwrites the last, so a
+        # method whose shards could disagree checks them in its load_weight (gptq's g_idx)
         copy_into(param.data, loaded)
         return
     pack = getattr(param, "pack_factor", 1)
