@@ -4,7 +4,6 @@ LoRA slots and the runner, and executes the core's step plans. Executors create 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -17,12 +16,10 @@ from ember_platform.engine.lora_layer import lora_layouts
 from ember_platform.engine.lora_manager import LoRAManager
 from ember_platform.engine.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
 from ember_platform.engine.models import build_model
-from ember_platform.engine.models.loader import load_weights, materialize
 from ember_platform.engine.parallel import ParallelContext
-from ember_platform.engine.quantized_cache import QuantizedWeightCache
+from ember_platform.engine.quantized_load import load_quantized
 from ember_platform.engine.speculation import DraftKVSpec
 from ember_platform.engine.step_plan import StepOutput, StepPlan
-from ember_platform.kvtiers.identity import model_identity
 
 if TYPE_CHECKING:
     from collections.abc import Hashable
@@ -49,7 +46,6 @@ class WorkerConfig:
     attention: Any  # the attention backend factory (the selected technique)
     kernel_ops: Any  # the kernel-op table (`KernelOps`) every layer calls
     quantization: SelectionReport
-    quantizer: Any | None  # the quantizer class, when quantization.name is not "none"
     manifest: Manifest
     hardware: Hardware
     plugins: PluginHost
@@ -112,17 +108,18 @@ class Worker:
 
     def load_model(self) -> LoadReport:
         """Build the model on meta for this rank, load (and quantize, or restore cached quantized) weights."""
-        t0 = time.perf_counter()
         c = self.config
         model = self._build()
         # Read before quantizing: a quantizer's modules need not say how their outputs are packed.
         layouts = lora_layouts(model, getattr(model, "lora_module_names", ()))
         checkpoint_target = model.checkpoint_target
-        if c.quantization.name == "none":
-            load_weights(model, c.source.weights_dir)
-            self.timings["load"] = time.perf_counter() - t0
-        else:
-            model = self._load_quantized(model, t0)
+        # Every layer's LinearMethod from the quantization chain (or the checkpoint's own quantization_config),
+        # then the checkpoint streamed through them, or the quantized weights an earlier start cached.
+        model, quantized = load_quantized(model, self._build, source=c.source, hf_config=c.hf_config,
+                                          selection=c.quantization, plugins=c.plugins, dtype=c.dtype,
+                                          device=self.device)
+        self.timings.update(quantized.timings)
+        self.quantized_from_cache = quantized.from_cache
         model.eval()
         self.model = model
         c.plugins.model_loaded(c.manifest, model, c.hardware)
@@ -142,38 +139,6 @@ class Worker:
                                 memory_budget_bytes=None if budget is None else budget * 2**30,
                                 device=self.device, dtype=c.dtype)
         return LoadReport(dict(self.timings), self.quantized_from_cache)
-
-    def _load_quantized(self, model: nn.Module, t0: float) -> nn.Module:
-        """Load and quantize, or load the quantized weights an earlier start cached (skipping both)."""
-        c = self.config
-        quant = c.quantization
-        quantizer = c.quantizer(quant.options)
-        cache = QuantizedWeightCache.default()
-        key = None
-        if cache is not None:
-            source = c.source
-            identity = model_identity(source.weights_dir, source.root if source.is_package else None)
-            key = cache.key(identity, quant.name, quant.options, c.dtype, self.device, c.quantizer)
-            state = cache.load(key)
-            restored = quantizer.restore(model, state) if state is not None else None
-            if restored is not None:
-                assert state is not None
-                materialize(restored, self.device, c.dtype)
-                restored.load_state_dict(state, strict=False)  # norms, embeddings, skipped layers; ties share
-                self.timings["load"] = time.perf_counter() - t0
-                self.timings["quantize"] = 0.0
-                self.quantized_from_cache = True
-                return restored
-            if state is not None:  # restore refused the entry: start from a clean model
-                model = self._build()
-        load_weights(model, c.source.weights_dir)
-        self.timings["load"] = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        model = quantizer.quantize(model)
-        self.timings["quantize"] = time.perf_counter() - t1
-        if cache is not None and key is not None:
-            cache.save(key, model)
-        return model
 
     # --- KV cache ---------------------------------------------------------------------------
 
