@@ -5,6 +5,7 @@ anything else reads it, so a hostile body is a 4xx naming what is wrong, never a
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import uuid
@@ -146,6 +147,41 @@ def check_text(data: Any, raw: bytes | str | None = None) -> None:
         path = _printable(path)
         raise invalid_request(path, f"Invalid '{path}': the text contains a lone UTF-16 surrogate (an unpaired "
                                     "\\ud800-\\udfff escape), which is not valid Unicode.", "invalid_unicode")
+
+
+# What json.loads turns into a float that is not finite: NaN and Infinity literals, exponents of 3 digits and more
+# (1e999), and runs of 300 digits and more (a 400-digit number with a fraction). Bodies without any skip the walk.
+_MAYBE_NOT_FINITE = re.compile(rb"NaN|Infinity|[eE][+-]?\d{3,}|\d{300,}")
+
+
+def non_finite_path(value: Any, path: str = "") -> str | None:
+    """The OpenAI-style path of the first number that is not finite (1e999, NaN), or None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (path or None)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if (found := non_finite_path(item, f"{path}.{key}" if path else str(key))) is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if (found := non_finite_path(item, f"{path}[{i}]")) is not None:
+                return found
+    return None
+
+
+def check_values(data: Any, raw: bytes | str | None = None) -> None:
+    """400 naming the first field whose text is not valid Unicode (`check_text`) or whose number is not finite: JSON
+    has no infinities, so such a body could not be encoded again (by a request hook, an error, a log line) and no
+    field takes one. With the `raw` body, each walk is skipped when the body cannot hold what it looks for."""
+    check_text(data, raw)
+    if raw is not None:
+        scanned = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+        if not _MAYBE_NOT_FINITE.search(scanned):
+            return
+    if (path := non_finite_path(data)) is not None:
+        path = _printable(path)
+        raise invalid_request(path, f"Invalid '{path}': numbers must be finite (JSON has no infinity or NaN).",
+                              "invalid_value")
 
 
 def _printable(path: str) -> str:

@@ -150,3 +150,17 @@ def test_a_replica_runs_the_hooks_for_a_request_that_did_not_come_from_its_gatew
         reply = httpx.post(f"{replica['url']}/v1/chat/completions", json=body, headers={**auth, **marker}, timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] > 8 * BLOCK, reply.text
     assert served.hook_calls()[calls:] == [replica["pid"]] * 2
+
+
+@pytest.mark.parametrize("number", [b"1e999", b"-1e999", b"NaN", b"1" + b"0" * 400 + b".5"])
+def test_a_number_json_cannot_encode_is_a_400_naming_it_before_any_hook_runs(served: Served, number: bytes) -> None:
+    # A hook that rewrites such a body could not send it on (JSON has no infinity): the edge refuses it first,
+    # naming the field, where it was once a 500 blaming the hook (found by tests/fuzz/test_http_hostile.py).
+    calls = len(served.hook_calls())
+    body = b'{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": %s}' % (
+        MODEL.encode(), number)
+    reply = httpx.post(f"{served.url}/v1/chat/completions", content=body, timeout=60,
+                       headers={"content-type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "max_tokens" and "finite" in reply.json()["error"]["message"]
+    assert len(served.hook_calls()) == calls

@@ -12,6 +12,7 @@ from ember_platform.gateway.protocol import MAX_PROMPTS, parse_chat_request, par
 from ember_platform.gateway.request_body import (
     MAX_JSON_DEPTH,
     MAX_JSON_VALUES,
+    check_values,
     json_depth_exceeds,
     loads,
     lone_surrogate_path,
@@ -113,3 +114,23 @@ def test_a_request_id_is_the_clients_only_when_it_is_a_short_plain_token() -> No
     for hostile in ("\xff" * 10, "r" * 5000, "a b", "x\r\nSet-Cookie: y", "", None):
         generated = request_id(hostile)
         assert generated != hostile and len(generated) == 32 and generated.isalnum()
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"max_tokens": 1e999}', "max_tokens"),
+    (b'{"logit_bias": {"5": -Infinity}}', "logit_bias.5"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "temperature"),
+    (b'{"prompt": "x", "top_p": 1' + b"0" * 400 + b'.0}', "top_p"),
+    (b'{"prompt": [1, 2], "stop": ["a"], "n": [1e400]}', "n[0]"),
+])
+def test_a_number_that_is_not_finite_is_a_400_naming_the_field(raw: bytes, param: str) -> None:
+    with pytest.raises(ProtocolError) as caught:
+        check_values(loads(raw), raw)
+    assert (caught.value.status, caught.value.param, caught.value.code) == (400, param, "invalid_value")
+    json.dumps(caught.value.body(), allow_nan=False)  # the error itself can be sent
+
+
+def test_finite_numbers_and_words_like_nan_in_text_pass() -> None:
+    raw = b'{"prompt": "NaN and Infinity, 1e999", "temperature": 1e-300, "max_tokens": 1e300, "seed": 1' + \
+        b"0" * 400 + b"}"
+    check_values(loads(raw), raw)  # an int of 400 digits is finite (the protocol bounds it later)
