@@ -234,7 +234,7 @@ ENGINE_PHASES = {  # cProfile function keys (file suffix, function) -> phase nam
     ("model_runner.py", "plan_metadata"): "  attention metadata",
     ("torch_paged.py", "forward"): "  attention backend",
     ("int8.py", "forward"): "  int8 linears",
-    ("engine.py", "_sample"): "sample",
+    ("step_sampler.py", "sample"): "sample",
     ("engine.py", "_append"): "append + detokenize",
     ("engine.py", "_propose"): "propose (speculator)",
 }

@@ -15,7 +15,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +30,14 @@ from ember_platform.engine.kv_cache_manager import KVCacheManager
 from ember_platform.engine.lora import check_adapter_name
 from ember_platform.engine.lora_manager import LoRAManager, UnknownLoRAError
 from ember_platform.engine.outputs import RequestOutput, Usage
-from ember_platform.engine.rejection import rejection_sample
 from ember_platform.engine.request import Request, RequestStatus
-from ember_platform.engine.sampler import Sampler, SamplingBatch, TokenLogprobs, make_generator
+from ember_platform.engine.sampler import Sampler, make_generator
 from ember_platform.engine.sampling_params import SamplingParams
 from ember_platform.engine.scheduler import Scheduler
 from ember_platform.engine.spec_decode import SpecDecoder
-from ember_platform.engine.speculation import Speculator, SpeculatorContext, verify_greedy
+from ember_platform.engine.speculation import Speculator, SpeculatorContext
 from ember_platform.engine.step_plan import BlockTables, StepOutput, StepPlan
+from ember_platform.engine.step_sampler import RequestState, StepSampler
 from ember_platform.engine.text.detokenizer import IncrementalDetokenizer
 from ember_platform.engine.text.stop import StopStringMatcher
 from ember_platform.engine.text.tokenizer import Tokenizer
@@ -62,16 +61,6 @@ LORA_OPTIONS = {"max_loras": 4, "max_lora_rank": 64, "max_cpu_loras": None, "lor
 
 class EngineBrokenError(RuntimeError):
     """The engine cannot run its model any more (forward passes keep failing): the replica must be replaced."""
-
-
-@dataclass(slots=True)
-class _RequestState:
-    """Output-side state of one request: detokenizer, stop strings, its random generator."""
-
-    detokenizer: IncrementalDetokenizer
-    stop: StopStringMatcher | None
-    generator: torch.Generator | None
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -142,12 +131,11 @@ class LLMEngine:
                                    max_model_len=self.max_model_len, lora=self.lora)
         self.sampler = Sampler(seed=rt.seed)
         self._block_tables = BlockTables(-(-self.max_model_len // self.block_size) + 1, rows=rt.max_num_seqs)
-        self._states: dict[str, _RequestState] = {}
+        self._states: dict[str, RequestState] = {}
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
         self.prefill_tokens_per_s = 0.0  # measured on large steps; 0 until one ran (the router prices tier fetches)
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
+        self.step_sampler = StepSampler(self.sampler, self.tokenizer.eos_token_ids, self._states.__getitem__)
         self._forward_failures = 0  # forward passes failed in a row (see step)
         self.timings["init"] = time.perf_counter() - t0
         if self.kv_tiers is not None and self.kv_tiers.config.seed_prefixes:
@@ -201,6 +189,16 @@ class LLMEngine:
         assert self.spec is not None and self.speculator is not None
         self.spec.draft_kv_caches = caches = self.executor.draft_kv_caches
         self.speculator.bind_kv_cache(caches)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafts the target verified so far."""
+        return self.step_sampler.num_draft_tokens
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Drafts the target accepted so far."""
+        return self.step_sampler.num_accepted_tokens
 
     @property
     def model(self) -> nn.Module:
@@ -278,7 +276,7 @@ class LLMEngine:
             self.wake()
         req = Request(request_id, ids, params, next(self._arrivals), lora_name=lora_name, cache_salt=cache_salt)
         stop = StopStringMatcher(params.stop) if params.stop else None
-        self._states[request_id] = _RequestState(IncrementalDetokenizer(self.tokenizer, ids), stop,
+        self._states[request_id] = RequestState(IncrementalDetokenizer(self.tokenizer, ids), stop,
                                                  make_generator(params.seed, self.device))
         self.scheduler.add(req)
         return req
@@ -334,7 +332,9 @@ class LLMEngine:
             return outputs
         self._forward_failures = 0
         sampled = [batch.requests[i] for i in plan.sampled]
-        sampled_tokens = self._sample(sampled, plan.num_sample_rows, result)  # reads the tokens back: device done
+        draft_probs = spec.take_draft_probs(sampled) if spec is not None else [None] * len(sampled)
+        # Reads the tokens back: the device is done with the step here.
+        sampled_tokens = self.step_sampler.sample(sampled, plan.num_sample_rows, result.logits, draft_probs)
         self._measure_prefill(sum(batch.num_tokens), time.perf_counter() - t0)
         failed = {id(req) for req, tokens in zip(sampled, sampled_tokens, strict=True) if tokens is None}
         for req, n in zip(batch.requests, batch.num_tokens, strict=True):
@@ -394,80 +394,6 @@ class LLMEngine:
         rate = num_tokens / seconds
         self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
             0.8 * self.prefill_tokens_per_s + 0.2 * rate
-
-    def _sample(self, reqs: list[Request], num_rows: list[int], result: StepOutput) -> list[list[int] | None]:
-        """Each sampled request's new tokens (verified drafts included). If sampling the batch fails, each request
-        is sampled alone, so that one whose parameters break the sampler fails alone (None) and the rest go on."""
-        if not reqs:
-            return []
-        draft_probs = self.spec.take_draft_probs(reqs) if self.spec is not None else [None] * len(reqs)
-        try:
-            return list(self._sample_rows(reqs, num_rows, result.logits, draft_probs))
-        except Exception:
-            log.exception("sampling a batch of %d request(s) failed; sampling each alone", len(reqs))
-        tokens: list[list[int] | None] = []
-        row = 0
-        for req, n, probs in zip(reqs, num_rows, draft_probs, strict=True):
-            try:
-                tokens += self._sample_rows([req], [n], result.logits[row:row + n], [probs])
-            except Exception:
-                log.exception("request %s: sampling failed", req.request_id)
-                tokens.append(None)
-            row += n
-        return tokens
-
-    def _sample_rows(self, reqs: Sequence[Request], num_rows: Sequence[int], logits: torch.Tensor,
-                     draft_probs: Sequence[torch.Tensor | None]) -> list[list[int]]:
-        drafts = [list(r.spec_token_ids) for r in reqs]
-        states = [self._states[r.request_id] for r in reqs]
-        params = [r.params for r in reqs]
-        needs_history = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params)
-        suppressed = [self._suppressed(r) for r in reqs]
-        batch = SamplingBatch.build(
-            params, vocab_size=logits.shape[-1], device=logits.device,
-            generators=[s.generator for s in states],
-            prompt_ids=[r.prompt_token_ids for r in reqs] if needs_history else None,
-            output_ids=[r.output_token_ids for r in reqs] if needs_history else None,
-            suppressed_ids=suppressed if any(suppressed) else None,
-            draft_ids=drafts if any(drafts) else None,
-        )
-        out = self.sampler.sample(logits, batch)
-        token_rows = out.token_ids.tolist()
-        logprob_rows = out.token_logprobs() if batch.any_logprobs else None
-        starts = list(itertools.accumulate(num_rows, initial=0))
-        results: list[list[int]] = []
-        new_logprobs: list[tuple[_RequestState, TokenLogprobs]] = []
-        for i in range(len(reqs)):
-            row = starts[i]
-            if not drafts[i]:
-                results.append([token_rows[row]])
-                if logprob_rows is not None and logprob_rows[row] is not None:
-                    new_logprobs.append((states[i], logprob_rows[row]))
-            else:
-                results.append(verify_greedy(token_rows[row:row + num_rows[i]], drafts[i]))
-        # Sampled drafts are verified by rejection, all requests at once: the output keeps the target's distribution.
-        rejected = [i for i, r in enumerate(reqs) if drafts[i] and not r.params.greedy]
-        if rejected:
-            verified = rejection_sample(self.sampler.probs(logits, batch), [starts[i] for i in rejected],
-                                        [drafts[i] for i in rejected], [draft_probs[i] for i in rejected],
-                                        [states[i].generator for i in rejected],
-                                        self.sampler.shared_generator(logits.device))
-            for i, tokens in zip(rejected, verified, strict=True):
-                results[i] = tokens
-        # Recorded only now: when this raises part-way, the requests are sampled again one by one (see _sample).
-        for state, logprobs in new_logprobs:
-            state.logprobs.append(logprobs)
-        for draft, tokens in zip(drafts, results, strict=True):
-            if draft:
-                self.num_draft_tokens += len(draft)
-                self.num_accepted_tokens += len(tokens) - 1
-        return results
-
-    def _suppressed(self, req: Request) -> set[int]:
-        p = req.params
-        if len(req.output_token_ids) >= p.min_tokens:
-            return set()
-        return set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.tokenizer.eos_token_ids))
 
     def _append(self, req: Request, new_tokens: list[int]) -> RequestOutput | None:
         # Drafts the target rejected were computed (their KV written) but are not part of the sequence.
