@@ -127,3 +127,14 @@ def test_persistent_block_tables_follow_growth_preemption_and_release() -> None:
     assert tables.rows([c, b])[:, :1].tolist() == [[4], [7]]  # c took the released row
     plan = StepPlan.build([b], [2], block_tables=tables)
     assert plan.block_tables.tolist() == [[7, 8]]
+
+
+def test_a_plan_and_its_output_can_cross_a_process_boundary() -> None:
+    """A plan names no model and no device, so an executor may send it to workers in other processes."""
+    import pickle
+
+    spec = _request("2", [1, 2], computed=3, output=[6, 7], spec=[8, 9])
+    plan = StepPlan.build([spec], [3], return_hidden_states=True, aux_layers=(2,))
+    again = pickle.loads(pickle.dumps(plan))
+    assert again.input_ids.tolist() == plan.input_ids.tolist() and again.block_tables.equal(plan.block_tables)
+    assert (again.sampled, again.spec_token_ids, again.aux_layers) == (plan.sampled, plan.spec_token_ids, (2,))
