@@ -252,6 +252,7 @@ class Gateway:
             "state": str(state),
             "state_source": state_source,
             "selections": replica_info.get("selections") if replica_info else None,
+            "kernel_ops": replica_info.get("kernel_ops") if replica_info else None,
             "timings": timings,
             "pull": active.pull.to_json(),
             "max_model_len": (replica_info or {}).get("max_model_len", active.manifest.runtime.max_model_len),

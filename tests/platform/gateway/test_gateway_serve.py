@@ -212,6 +212,7 @@ def test_info_reports_selections_and_cold_start_timings(served: Served) -> None:
     assert info["description"].startswith("A 5.0M-parameter Llama") and info["license"] == "Apache-2.0"  # [model]
     assert info["selections"]["attention"]["name"] and info["selections"]["attention"]["reason"]
     assert {"quantization", "speculator", "attention"} <= set(info["selections"])
+    assert info["kernel_ops"]["rms_norm"].endswith("torch")  # per kernel op, the impls its engine tries in order
     for phase in ("pull", "load", "quantize", "warmup", "first_token", "replica_start"):
         assert isinstance(info["timings"][phase], float), phase
     assert [r["state"] for r in info["replicas"]] == ["ready"]
