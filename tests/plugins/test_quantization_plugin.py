@@ -97,3 +97,21 @@ def test_options_are_a_table_per_method(smooth: dict) -> None:
 def test_a_method_listed_twice_is_refused() -> None:
     with pytest.raises(ManifestError, match=r"quantization.method: a method is listed twice: \['int8', 'int8'\]"):
         LLM(EXAMPLE, quantization=["int8", "int8"])
+
+
+def test_a_package_composes_in_its_manifest_and_calibrates_on_its_own_text(smooth: dict, tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "weights").symlink_to(EXAMPLE)
+    (package / "ember.toml").write_text('[model]\nname = "smoothed"\nversion = "0.1.0"\n[runtime]\ndtype = "float32"\n'
+                                        '[quantization]\nmethod = ["smooth", "int8"]\n'
+                                        '[quantization.options.int8]\nkernel = "int8pack"\n'
+                                        '[quantization.options.smooth]\nalpha = 0.25\n')
+    text = "for key, value in sorted(items.items()):\n    print(key, value)\n" * 3
+    (package / "calibration.txt").write_text(text)
+    llm = LLM(package)
+    assert llm.engine.selections["quantization"].options == {"int8": {"kernel": "int8pack"},
+                                                             "smooth": {"alpha": 0.25}}
+    assert llm.engine.model.model.layers[0].self_attn.qkv_proj.kernel == "int8pack"
+    # The package's calibration text, not the default corpus, went through the model.
+    assert smooth["calibration_tokens"] == len(llm.engine.tokenizer.encode(text, add_special_tokens=False))
