@@ -95,7 +95,7 @@ class SafetensorsFile:
             return torch.frombuffer(self._map, dtype=dtype, count=count // itemsize, offset=start).reshape(shape)
 
     def release(self, name: str) -> None:
-        if self._map is None:
+        if self._map is None or not hasattr(mmap, "MADV_DONTNEED"):  # not a platform with madvise: pages stay
             return
         start, end = self._span(name)
         first = (start + _PAGE - 1) // _PAGE * _PAGE  # whole pages only: neighbours may share the edges
