@@ -18,8 +18,12 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS: dict[str, str] = {
     # attention backends (ember_attention_backends)
     "AttentionBackend": "ember_platform.engine.attention",
+    "AttentionLayerSpec": "ember_platform.engine.attention",
     "AttentionMetadata": "ember_platform.engine.attention",
+    "AttentionMetadataBuilder": "ember_platform.engine.attention",
     "KVCache": "ember_platform.engine.attention",
+    "KVCacheSpec": "ember_platform.engine.attention",
+    "hnd_kv_cache_spec": "ember_platform.engine.attention",
     "kv_cache_block_shape": "ember_platform.engine.attention",
     "write_kv": "ember_platform.engine.attention",  # the torch reference; backends call ops.write_kv
     # kernel ops (ember_kernel_ops): the table a model and its attention backends are built with
@@ -66,8 +70,12 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from ember_platform.engine.attention import (
         AttentionBackend,
+        AttentionLayerSpec,
         AttentionMetadata,
+        AttentionMetadataBuilder,
         KVCache,
+        KVCacheSpec,
+        hnd_kv_cache_spec,
         kv_cache_block_shape,
         write_kv,
     )

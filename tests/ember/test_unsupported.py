@@ -24,7 +24,6 @@ ASKS = {
     "serving.disaggregated": "[serving]\ndisaggregated = true\n",
     "serving.prefill_replicas": "[serving]\nprefill_replicas = 2\n",
     "serving.decode_replicas": "[serving]\ndecode_replicas = 3\n",
-    "kernels.options": "[kernels]\noptions = { block_q = 64 }\n",
     "parallelism.tensor_parallel": '[parallelism]\nstrategy = "none"\ntensor_parallel = 2\n',
     "parallelism.expert_parallel": '[parallelism]\nstrategy = "none"\nexpert_parallel = 4\n',
 }
@@ -51,8 +50,8 @@ def test_their_defaults_and_what_is_consumed_load() -> None:
 
 def test_several_refusals_are_listed_together(make_package) -> None:
     with pytest.raises(ManifestError, match=r"2 problems:\n  - serving.disaggregated: not supported yet: .*\n"
-                                            r"  - kernels.options: not supported yet"):
-        load_manifest(make_package(extra_toml=ASKS["serving.disaggregated"] + ASKS["kernels.options"]))
+                                            r"  - serving.decode_replicas: not supported yet"):
+        load_manifest(make_package(extra_toml="[serving]\ndisaggregated = true\ndecode_replicas = 3\n"))
 
 
 def test_overrides_are_refused_like_the_manifest(make_package) -> None:
@@ -143,8 +142,9 @@ def test_a_selection_plugin_asking_for_unread_settings_is_named(make_package) ->
     with pytest.raises(PluginError, match=r"^plugin 'chooser' \(ember_select_quantization\): "
                                           r"quantization.options.group_size: not supported by quantization 'int8'"):
         host.select("quantization", manifest, CPU)
-    with pytest.raises(PluginError, match=r"^plugin 'chooser' \(ember_select_attention_backend\) chose attention "
-                                          r"'torch' with options \['block_q'\]: not supported yet"):
+    with pytest.raises(PluginError, match=r"^plugin 'chooser' \(ember_select_attention_backend\): "
+                                          r"kernels.options.block_q: not supported by attention 'torch' .*, which "
+                                          r"reads only max_batched_query_len, chunk_elements, native"):
         host.select("attention", manifest, CPU)
     with pytest.raises(PluginError, match=r"^plugin 'chooser' \(ember_select_parallelism\) chose parallel strategy "
                                           r"'none' for tensor_parallel = 2, expert_parallel = 1: not supported yet"):
@@ -168,3 +168,14 @@ def test_readme_example_manifest_still_loads(tmp_path: Path) -> None:
     block = readme.split("```toml\n[model]", 1)[1].split("```", 1)[0]
     (tmp_path / "ember.toml").write_text("[model]" + block)
     load_manifest(tmp_path, check_files=False)
+
+
+def test_attention_options_the_backend_declares_pass_and_others_are_refused(make_package) -> None:
+    # [kernels] options reach the backend (tests/platform/engine/test_attention_backends.py runs them); keys the
+    # backend did not declare with register(..., options=...) are refused, with the closest declared key.
+    manifest, host = load_package(make_package(extra_toml='[kernels]\nattention = "torch"\n'
+                                                          'options = { max_batched_query_len = 4 }\n'))
+    assert host.select("attention", manifest, CPU).options == {"max_batched_query_len": 4}
+    with pytest.raises(PluginError, match=r"kernels.options.max_batched_query: not supported by attention 'torch' "
+                                          r".* did you mean 'max_batched_query_len'\?"):
+        load_package(make_package(extra_toml='[kernels]\nattention = "torch"\noptions = { max_batched_query = 4 }\n'))

@@ -103,6 +103,10 @@ class RuntimeSection(Section):
     max_num_batched_tokens: int = Field(
         2048, ge=16, description="Token budget of one engine step (decode tokens + chunked prefill).")
     kv_block_size: int = Field(16, description="Tokens per KV-cache block: a power of two from 1 to 256.")
+    kv_cache_dtype: Literal["auto", "int8", "fp8"] = Field(
+        "auto", description="How the KV cache stores keys and values: \"auto\" in the compute dtype, \"int8\" or "
+        "\"fp8\" (e4m3) quantized with a float32 scale per token and KV head (about half the memory of bfloat16, "
+        "so twice the blocks; the attention backend must support it: 'torch' does, others say which they take).")
     kv_cache_memory_gb: float | None = Field(
         None, gt=0, description="Memory for the KV cache in GiB; default: a fraction of free device memory.")
     memory_utilization: float = Field(
@@ -205,8 +209,10 @@ class KernelsSection(Section):
     """[kernels]: which attention backend runs the paged attention."""
 
     attention: str = Field(AUTO, description="An attention-backend plugin's name (e.g. \"torch\") or \"auto\".")
-    options: dict[str, Any] = Field(default_factory=dict, description="Not supported yet (refused unless "
-                                    "empty): options for the attention backend.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Options for the attention backend, "
+                                    "passed to it as keyword arguments; a key the backend does not declare that it "
+                                    "reads is refused (the torch backend reads max_batched_query_len, "
+                                    "chunk_elements, native).")
 
 
 class ScalingSection(Section):

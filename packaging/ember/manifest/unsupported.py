@@ -41,8 +41,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
                 f"prefill replicas ({_DISAGGREGATION}); remove the key"),
     Unsupported("serving.decode_replicas", lambda m: m.serving.decode_replicas != 1,
                 f"decode replicas ({_DISAGGREGATION}); remove the key"),
-    Unsupported("kernels.options", lambda m: bool(m.kernels.options),
-                "the engine passes no options to attention backends; remove [kernels] options"),
     Unsupported("parallelism.tensor_parallel",
                 lambda m: m.parallelism.strategy == NONE and m.parallelism.tensor_parallel > 1, _ONE_DEVICE),
     Unsupported("parallelism.expert_parallel",
@@ -60,12 +58,7 @@ def refuse_unsupported(manifest: Manifest, source: str) -> None:
 
 
 def refuse_unconsumed_selection(report: SelectionReport, manifest: Manifest) -> None:
-    """PluginError when a selection asks for what nothing reads: options for an attention backend, or several
-    devices with parallel strategy 'none'."""
-    if report.kind == "attention" and report.options:
-        raise PluginError(f"{report.decided_by} chose attention '{report.name}' with options "
-                          f"{sorted(report.options)}: not supported yet: the engine passes no options to attention "
-                          "backends")
+    """PluginError when a selection asks for what nothing reads: several devices with parallel strategy 'none'."""
     p = manifest.parallelism
     if report.kind == "parallelism" and report.name == NONE and (p.tensor_parallel > 1 or p.expert_parallel > 1):
         raise PluginError(f"{report.decided_by} chose parallel strategy 'none' for tensor_parallel = "

@@ -13,6 +13,12 @@ Token at context position `p` of request `i` lives in block `block_tables[i, p /
 at offset `p % block_size`; `write_kv` stores a step's new K/V there. The engine allocates
 caches with `torch.zeros`: backends may read (and mask out) slots past a sequence's end, and a
 NaN left in never-written memory would survive the mask (0 * NaN = NaN).
+
+That layout is the default, not a rule: a backend declares its own `KVCacheSpec` (the per-block shape and
+dtype of every tensor of a layer's cache, K and V first, then e.g. the scales of a quantized cache), the KV
+dtypes it can store (`kv_cache_dtypes`: "auto" is the model's dtype, "int8" / "fp8" where it quantizes) and
+the block sizes it takes; the worker allocates and sizes the cache from that spec. A backend may also give a
+metadata builder, which the runner calls once per step (not once per layer) to plan the step's attention.
 """
 
 from __future__ import annotations
@@ -23,7 +29,85 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+KVCache = tuple[torch.Tensor, ...]
+"""One layer's cache: the tensors of its `KVCacheSpec`, in order (K and V first; a quantized cache adds its scales)."""
+
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+"""`[runtime] kv_cache_dtype` values -> the stored dtype ("auto": the model's dtype)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionLayerSpec:
+    """What a backend is told about the layers it serves (one backend per distinct configuration)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float  # softmax scale (usually head_dim ** -0.5)
+    sliding_window: int | None = None  # a query at position p sees p - W + 1 .. p; None: the whole context
+    dtype: torch.dtype = torch.float32  # the model's compute dtype: q, k, v and the output
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """One layer's paged KV cache as its backend lays it out: the tensors the worker allocates for it.
+
+    `tensors`: (per-block shape, dtype) of each tensor of the cache tuple, K and V first; the worker allocates
+    `[num_blocks, *shape]` of each with zeros. `layout` names the layout (KV tiers store blocks of the default
+    "HND" only); `kv_cache_dtype` is the `[runtime]` value it stores ("auto": the model's dtype, unquantized).
+    """
+
+    layout: str
+    block_size: int
+    tensors: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if len(self.tensors) < 2:
+            raise ValueError(f"a KV cache spec needs at least K and V, got {len(self.tensors)} tensors")
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_cache_dtype != "auto"
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block of this layer costs: K, V and whatever else the spec holds (scales)."""
+        total = 0
+        for shape, dtype in self.tensors:
+            n = torch.empty((), dtype=dtype).element_size()
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+    def allocate(self, num_blocks: int, device: torch.device | str) -> KVCache:
+        return tuple(torch.zeros((num_blocks, *shape), dtype=dtype, device=device) for shape, dtype in self.tensors)
+
+
+def hnd_kv_cache_spec(layer: AttentionLayerSpec, block_size: int, kv_cache_dtype: str = "auto") -> KVCacheSpec:
+    """The default layout (module docstring): K and V `[Hkv, block_size, D]` per block; quantized ("int8",
+    "fp8"), each adds a float32 scale per token and KV head, `[Hkv, block_size]` per block."""
+    block = kv_cache_block_shape(block_size, layer.num_kv_heads, layer.head_dim)
+    stored = KV_CACHE_DTYPES[kv_cache_dtype] or layer.dtype
+    tensors: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ((block, stored), (block, stored))
+    if kv_cache_dtype != "auto":
+        scales = (layer.num_kv_heads, block_size)
+        tensors += ((scales, torch.float32), (scales, torch.float32))
+    return KVCacheSpec("HND", block_size, tensors, kv_cache_dtype)
+
+
+def check_backend_settings(backend: Any, kv_cache_dtype: str, block_size: int) -> None:
+    """ValueError unless the backend class stores `kv_cache_dtype` and takes `block_size`, naming what it does."""
+    name = getattr(backend, "name", getattr(backend, "__name__", repr(backend)))
+    dtypes = tuple(getattr(backend, "kv_cache_dtypes", ("auto",)))
+    if kv_cache_dtype not in dtypes:
+        raise ValueError(f"[runtime] kv_cache_dtype = {kv_cache_dtype!r}: attention backend '{name}' supports "
+                         f"{', '.join(map(repr, dtypes))}")
+    sizes = getattr(backend, "block_sizes", None)
+    if sizes is not None and block_size not in sizes:
+        raise ValueError(f"[runtime] kv_block_size = {block_size}: attention backend '{name}' supports block sizes "
+                         f"{', '.join(map(str, sizes))}")
 
 
 def kv_cache_block_shape(block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
@@ -39,7 +123,7 @@ def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
     copy where one takes the inputs, else this. `scratch`, the step's `AttentionMetadata.scratch`, lets it
     compute the cache rows once per step rather than once per layer.
     """
-    k_cache, v_cache = kv_cache
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
     _, num_kv_heads, block_size, head_dim = k_cache.shape
     key = f"write_kv:{num_kv_heads}:{block_size}"
     rows = None if scratch is None else scratch.get(key)
@@ -126,21 +210,46 @@ class AttentionMetadata:
 
 
 @runtime_checkable
+class AttentionMetadataBuilder(Protocol):
+    """A backend's per-step planner: the runner calls `build(meta)` once per step, before the forward pass, so
+    that every layer finds the plan ready (in `meta.scratch`, under the backend's own key). Builders keep their
+    buffers across steps rather than allocating per step, and plan with tensor ops, not per-token Python."""
+
+    def build(self, meta: AttentionMetadata) -> None:
+        ...
+
+
+@runtime_checkable
 class AttentionBackend(Protocol):
     """Paged attention for one layer configuration.
 
-    Implementations are constructed by the model as `Backend(sliding_window=None | int, ops=KernelOps)`,
-    one per distinct attention configuration (a sliding window of W lets a query at position p see
-    positions p - W + 1 .. p, as in Mistral). `ops` is the engine's kernel-op table, the one the model's
+    Implementations are constructed by the model as `Backend(layer=AttentionLayerSpec, ops=KernelOps)`, one per
+    distinct attention configuration (a sliding window of W lets a query at position p see positions
+    p - W + 1 .. p, as in Mistral); the engine adds `kv_cache_dtype="auto" | "int8" | "fp8"` (one of the class's
+    `kv_cache_dtypes`) and the manifest's `[kernels] options` as keyword arguments (only keys the plugin declared
+    with `register(..., options=(...))` get through). `ops` is the engine's kernel-op table, the one the model's
     layers call: a backend stores a step's K/V with `ops.write_kv(kv_cache, k, v, meta.slot_mapping,
     meta.scratch)` (or its own kernel for a layout of its own).
+
+    Class attributes: `name`; `kv_cache_dtypes` (default ("auto",)); `block_sizes` (None: any the manifest
+    allows). Methods: `kv_cache_spec(block_size)` (the layout the worker allocates), `metadata_builder(
+    block_size, device)` (None, or the per-step planner), `forward`.
     """
 
     name: str
 
+    def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
+        """This layer's cache layout and dtypes for blocks of `block_size` tokens."""
+        ...
+
+    def metadata_builder(self, block_size: int, device: torch.device) -> AttentionMetadataBuilder | None:
+        """The object the runner calls once per step to plan for this backend on `device` (None: the backend
+        plans inside `forward`, or has nothing to plan)."""
+        ...
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Write k, v ([T, Hkv, D]) into the cache at `meta.slot_mapping`, then attend.
+        """Write k, v ([T, Hkv, D]) into the cache (its `kv_cache_spec` tensors) at `meta.slot_mapping`, then attend.
 
         Each query token of q ([T, H, D], H a multiple of Hkv) attends causally to its request's
         context read through `meta.block_tables`. Returns [T, H, D] in q's dtype.

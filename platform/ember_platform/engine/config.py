@@ -15,7 +15,7 @@ from ember.manifest import MANIFEST_NAME, Manifest, load_manifest, parse_manifes
 _OVERRIDES: dict[str, tuple[str, str]] = {
     **{name: ("runtime", name) for name in ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                                             "kv_block_size", "kv_cache_memory_gb", "memory_utilization",
-                                            "enable_prefix_caching", "accelerator", "seed")},
+                                            "enable_prefix_caching", "accelerator", "seed", "kv_cache_dtype")},
     "quantization": ("quantization", "method"),
     "quantization_options": ("quantization", "options"),
     "speculator": ("speculator", "method"),
@@ -23,6 +23,7 @@ _OVERRIDES: dict[str, tuple[str, str]] = {
     "speculator_max_batch_size": ("speculator", "max_batch_size"),
     "speculator_options": ("speculator", "options"),
     "attention": ("kernels", "attention"),
+    "attention_options": ("kernels", "options"),
     "parallelism": ("parallelism", "strategy"),
     "tensor_parallel": ("parallelism", "tensor_parallel"),
 }

@@ -90,7 +90,8 @@ class LLMEngine:
         worker_config = WorkerConfig(
             source=source, hf_config=self.hf_config, dtype=self.dtype, block_size=self.block_size,
             attention=self._technique("attention"), kernel_ops=self.kernel_ops, quantization=quant, manifest=manifest,
-            hardware=self.hardware, plugins=self.plugins, lora_options=lora_options)
+            hardware=self.hardware, plugins=self.plugins, lora_options=lora_options,
+            attention_options=dict(self.selections["attention"].options))
         self.executor = self._make_executor(worker_config)
         self.device = self.executor.parallel_context(0).device  # rank 0's: logits, generators and KV tiers live there
         report = self.executor.load_model()

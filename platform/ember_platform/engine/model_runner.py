@@ -65,10 +65,16 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        # Each distinct backend's per-step planner (AttentionMetadataBuilder), run once per step, not per layer.
+        backends = {id(b): b for b in getattr(model, "attention_backends", ())}.values()
+        self.attention_builders = [builder for b in backends if hasattr(b, "metadata_builder")
+                                   and (builder := b.metadata_builder(block_size, device)) is not None]
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         meta = plan_metadata(plan, self.block_size, self.device)
+        for builder in self.attention_builders:
+            builder.build(meta)
         ids = _to(plan.input_ids, self.device)
         pos = _to(plan.positions, self.device)
         aux: dict[int, torch.Tensor] | None = dict.fromkeys(plan.aux_layers) if plan.aux_layers else None

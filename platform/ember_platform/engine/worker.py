@@ -3,6 +3,7 @@ LoRA slots and the runner, and executes the core's step plans. Executors create 
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ember_platform.engine.attention import KVCache
+from ember_platform.engine.attention import KVCache, KVCacheSpec, check_backend_settings
 from ember_platform.engine.host_memory import release_pages
 from ember_platform.engine.lora_layer import lora_layouts
 from ember_platform.engine.lora_manager import LoRAManager
@@ -50,6 +51,7 @@ class WorkerConfig:
     hardware: Hardware
     plugins: PluginHost
     lora_options: dict[str, Any] = field(default_factory=dict)
+    attention_options: dict[str, Any] = field(default_factory=dict)  # the selection's `[kernels] options`
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,18 +64,19 @@ class LoadReport:
 
 
 @dataclass(frozen=True, slots=True)
-class KVCacheSpec:
-    """One rank's paged KV cache: its layers, the KV heads it holds, and the bytes one block costs."""
+class RankKVCacheSpec:
+    """One rank's paged KV cache: each layer's `KVCacheSpec`, as its attention backend declared it."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
+    layers: tuple[KVCacheSpec, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
 
     @property
     def bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        """Bytes one block costs over all layers, in the stored dtype with its scales."""
+        return sum(layer.bytes_per_block for layer in self.layers)
 
 
 def kv_cache_shape(hf_config: dict[str, Any]) -> tuple[int, int, int]:
@@ -104,7 +107,17 @@ class Worker:
 
     def _build(self) -> nn.Module:
         c = self.config
-        return build_model(c.hf_config, c.attention, c.dtype, self.device, ops=c.kernel_ops, parallel=self.parallel)
+        return build_model(c.hf_config, self._attention_factory(), c.dtype, self.device, ops=c.kernel_ops,
+                           parallel=self.parallel)
+
+    def _attention_factory(self) -> Any:
+        """The selected backend with the engine's part of its arguments bound: `[runtime] kv_cache_dtype` (refused
+        here, before any weight loads, unless the backend declares it) and the selection's `[kernels] options`
+        (only keys the plugin declared get this far); the model adds each layer's spec and the kernel ops."""
+        c = self.config
+        kv_cache_dtype = c.manifest.runtime.kv_cache_dtype
+        check_backend_settings(c.attention, kv_cache_dtype, c.block_size)
+        return functools.partial(c.attention, kv_cache_dtype=kv_cache_dtype, **c.attention_options)
 
     def load_model(self) -> LoadReport:
         """Build the model on meta for this rank, load (and quantize, or restore cached quantized) weights."""
@@ -142,11 +155,13 @@ class Worker:
 
     # --- KV cache ---------------------------------------------------------------------------
 
-    def kv_cache_spec(self) -> KVCacheSpec:
-        """This rank's cache. (A tensor-parallel strategy holds num_kv_heads / world of the heads; the model
-        families do not split heads yet, so every rank holds all of them.)"""
-        num_layers, kv_heads, head_dim = kv_cache_shape(self.config.hf_config)
-        return KVCacheSpec(num_layers, kv_heads, head_dim, self.config.block_size, self.config.dtype)
+    def kv_cache_spec(self) -> RankKVCacheSpec:
+        """This rank's cache, from each layer's attention backend (its layout, stored dtype and scales). (A
+        tensor-parallel strategy holds num_kv_heads / world of the heads; the model families do not split heads
+        yet, so every rank holds all of them.)"""
+        assert self.model is not None, "load_model() first"
+        block_size = self.config.block_size
+        return RankKVCacheSpec(tuple(b.kv_cache_spec(block_size) for b in self.model.attention_backends))
 
     def kv_bytes_per_block(self, draft: DraftKVSpec | None = None) -> int:
         """Bytes one KV block costs on this rank, a speculator's draft cache included."""
@@ -176,11 +191,11 @@ class Worker:
 
     def _allocate(self) -> None:
         s = self.kv_cache_spec()
-        self.kv_caches = allocate_kv_caches(s.num_layers, self._num_blocks, s.block_size, s.num_kv_heads,
-                                            s.head_dim, s.dtype, self.device)
+        self.kv_caches = [layer.allocate(self._num_blocks, self.device) for layer in s.layers]
         d = self._draft_spec
         self.draft_kv_caches = [] if d is None else allocate_kv_caches(
-            d.num_layers, self._num_blocks, s.block_size, d.num_kv_heads, d.head_dim, d.dtype or s.dtype, self.device)
+            d.num_layers, self._num_blocks, self.config.block_size, d.num_kv_heads, d.head_dim,
+            d.dtype or self.config.dtype, self.device)
         if self.runner is not None:
             self.runner.kv_caches = self.kv_caches
 

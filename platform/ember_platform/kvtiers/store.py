@@ -36,6 +36,7 @@ from ember_platform.engine.attention import KVCache
 from ember_platform.engine.block_hash import BlockHash
 from ember_platform.kvtiers.config import KVTierConfig
 from ember_platform.kvtiers.format import (
+    DTYPE_BYTES,
     CorruptBlockError,
     HeaderMismatchError,
     KVLayout,
@@ -76,6 +77,25 @@ class FetchedBlock:
 
 
 TierListener = Callable[[TierEvent], None]
+
+
+def check_tierable(kv_caches: Sequence[KVCache], block_size: int) -> None:
+    """ValueError unless the caches are what tiers store: per layer K and V only (no scales), in the default
+    "HND" layout `[num_blocks, num_kv_heads, block_size, head_dim]`, in a dtype the block format knows. A quantized
+    KV cache (`[runtime] kv_cache_dtype` int8 / fp8) is refused: its per-token scales are not carried yet."""
+    first = kv_caches[0] if kv_caches else ()
+    if len(first) != 2:
+        raise ValueError(f"not supported yet: KV tiers with a quantized KV cache (each layer holds {len(first)} "
+                         "tensors: K, V and their scales, which tiers do not carry); set [runtime] kv_cache_dtype = "
+                         "\"auto\" or turn the KV tiers off")
+    k_cache = first[0]
+    if k_cache.dim() != 4 or k_cache.shape[2] != block_size or first[1].shape != k_cache.shape:
+        raise ValueError(f"not supported yet: KV tiers with a KV cache of shape {tuple(k_cache.shape)}: tiers store "
+                         f"the default layout [num_blocks, num_kv_heads, block_size={block_size}, head_dim] only")
+    dtype = str(k_cache.dtype).removeprefix("torch.")
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"not supported yet: KV tiers with a {dtype} KV cache (stored formats: "
+                         f"{', '.join(DTYPE_BYTES)})")
 
 
 class KVTierStore:
@@ -142,6 +162,7 @@ class KVTierStore:
         config = KVTierConfig.from_value(option)
         if config is None or not config.any_tier:
             return None
+        check_tierable(kv_caches, block_size)
         k_cache = kv_caches[0][0]  # [num_blocks, num_kv_heads, block_size, head_dim]
         layout = KVLayout(config.model_id or model_id(), str(k_cache.dtype).removeprefix("torch."), block_size,
                           len(kv_caches), int(k_cache.shape[1]), int(k_cache.shape[3]), tp_rank, tp_size)

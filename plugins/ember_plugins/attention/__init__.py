@@ -13,4 +13,6 @@ from ember.hookspecs import Register
 @hookimpl
 def ember_attention_backends(register: Register) -> None:
     register("torch", "ember_plugins.attention.torch_paged:TorchPagedAttention",
-             summary="portable PyTorch paged attention (CPU and CUDA): chunked online softmax over the block table")
+             summary="portable PyTorch paged attention (CPU and CUDA): chunked online softmax over the block table; "
+                     "KV cache in the model dtype, int8 or fp8",
+             options=("max_batched_query_len", "chunk_elements", "native"))

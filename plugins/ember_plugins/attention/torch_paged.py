@@ -16,17 +16,37 @@ them first); the torch path is the portable fallback and the reference the kerne
 Cache layout (see `ember_platform.api.AttentionMetadata`): `[num_blocks, num_kv_heads, block_size,
 head_dim]`, so a gathered block is already head-major and scores need no transposing copy. New K/V are
 stored with the engine's kernel-op table (`ops.write_kv`), the one the model was built with.
+
+KV cache dtypes: "auto" (the model's dtype), "int8" and "fp8" (e4m3). A quantized cache holds a float32 scale
+per token and KV head next to K and V (`hnd_kv_cache_spec`): `write_kv` stores round(x / s) with s = max|x| / 127
+(int8) or x / s with s = max|x| / 448 (fp8) over the head's D values, and every read multiplies the gathered
+blocks by their scales (the torch path; the native kernel reads model-dtype caches only).
+
+The step's plan (which requests take which path, the ragged work list, masks) is built once per step by the
+backend's metadata builder, with tensor ops into buffers it keeps across steps; every layer then reuses it.
+Options (`[kernels] options`): `max_batched_query_len`, `chunk_elements`, `native` (see `TorchPagedAttention`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from ember_kernels.cpu import paged_attention, paged_attention_available
-from ember_platform.api import AttentionMetadata, KernelOps, KVCache
+from ember_platform.api import (
+    AttentionLayerSpec,
+    AttentionMetadata,
+    KernelOps,
+    KVCache,
+    KVCacheSpec,
+    hnd_kv_cache_spec,
+)
+
+OPTIONS = ("max_batched_query_len", "chunk_elements", "native")  # the [kernels] options this backend reads
+_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}  # largest stored magnitude per quantized dtype
 
 
 @dataclass(slots=True)
@@ -69,30 +89,113 @@ class _Plan:
     long: list[_LongRequest]
 
 
+class _Buffers:
+    """Tensors kept across steps: `get(name, shape, dtype)` is a view of a persistent one, grown when a step needs
+    more, so a step's plan allocates nothing once the batch sizes have been seen."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._store: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        buf = self._store.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self._store[name] = torch.empty(max(numel, 64), dtype=dtype, device=self.device)
+        return buf[:numel].view(shape)
+
+    def put(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` in this store's device buffer `name` (a copy when it lives elsewhere)."""
+        if tensor.device == self.device:
+            return tensor
+        return self.get(name, tuple(tensor.shape), tensor.dtype).copy_(tensor, non_blocking=True)
+
+
+class TorchMetadataBuilder:
+    """The torch backend's per-step planner (`AttentionMetadataBuilder`): the runner calls `build(meta)` once per
+    step; the plan lands in `meta.scratch` where every layer's `forward` finds it."""
+
+    def __init__(self, backend: TorchPagedAttention, block_size: int, device: torch.device | str) -> None:
+        self.backend = backend
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.host = _Buffers("cpu")
+        self.dev = self.host if self.device.type == "cpu" else _Buffers(self.device)
+        cache_dtype = backend.cache_dtype
+        self.native = (self.device.type == "cpu" and backend.native is not False
+                       and paged_attention_available(cache_dtype))
+
+    def build(self, meta: AttentionMetadata) -> None:
+        b = self.backend
+        meta.scratch[b.plan_key(self.block_size)] = b.make_plan(meta, self.block_size, self.device, self.native,
+                                                                self.host, self.dev)
+
+
 class TorchPagedAttention:
     """The "torch" backend: see the module docstring for how the two paths split the work.
 
-    `max_batched_query_len`: requests with at most this many query tokens take the batched
-    path; longer ones use SDPA. `chunk_elements` bounds the K (or V) elements the torch path
-    gathers at once. `native`: use the native CPU kernel for the short path (None: whenever it is
+    `layer`: the layers' head counts, head dim, window and dtype (the engine's model passes it; `sliding_window`
+    alone is enough where nobody asks for `kv_cache_spec`, as in direct tests). `kv_cache_dtype`: "auto",
+    "int8" or "fp8" (module docstring). Options: `max_batched_query_len`: requests with at most this many query
+    tokens take the batched path; longer ones use SDPA. `chunk_elements` bounds the K (or V) elements the torch
+    path gathers at once. `native`: use the native CPU kernel for the short path (None: whenever it is
     available for the cache's dtype on CPU; False: always the torch path). `ops`: the engine's kernel-op table,
     given by the model (None: `KernelOps.reference()`, plain torch).
     """
 
     name = "torch"
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "int8", "fp8")
+    block_sizes: ClassVar[tuple[int, ...] | None] = None  # any power of two the manifest allows
 
-    def __init__(self, *, sliding_window: int | None = None, max_batched_query_len: int = 8,
-                 chunk_elements: int = 1 << 24, native: bool | None = None, ops: KernelOps | None = None) -> None:
+    def __init__(self, *, layer: AttentionLayerSpec | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", max_batched_query_len: int = 8, chunk_elements: int = 1 << 24,
+                 native: bool | None = None, ops: KernelOps | None = None) -> None:
+        if layer is not None:
+            sliding_window = layer.sliding_window
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
+        if kv_cache_dtype not in self.kv_cache_dtypes:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: the torch backend supports "
+                             f"{', '.join(map(repr, self.kv_cache_dtypes))}")
+        for key, value in (("max_batched_query_len", max_batched_query_len), ("chunk_elements", chunk_elements)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"[kernels] options.{key} must be a positive integer, got {value!r}")
+        if native is not None and not isinstance(native, bool):
+            raise ValueError(f"[kernels] options.native must be true or false, got {native!r}")
+        self.layer = layer
         self.sliding_window = sliding_window
+        self.kv_cache_dtype = kv_cache_dtype
         self.max_batched_query_len = max_batched_query_len
         self.chunk_elements = chunk_elements
         self.native = native
         self.ops = ops if ops is not None else KernelOps.reference()
 
     def __repr__(self) -> str:
-        return f"TorchPagedAttention(sliding_window={self.sliding_window})"
+        return f"TorchPagedAttention(sliding_window={self.sliding_window}, kv_cache_dtype={self.kv_cache_dtype!r})"
+
+    # --- the KV cache spec and the per-step builder ----------------------------------------
+
+    def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
+        if self.layer is None:
+            raise ValueError("TorchPagedAttention.kv_cache_spec needs the layer spec (construct it with layer=...)")
+        return hnd_kv_cache_spec(self.layer, block_size, self.kv_cache_dtype)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype K and V are stored in."""
+        if self.kv_cache_dtype == "int8":
+            return torch.int8
+        if self.kv_cache_dtype == "fp8":
+            return torch.float8_e4m3fn
+        return self.layer.dtype if self.layer is not None else torch.float32
+
+    def metadata_builder(self, block_size: int, device: torch.device | str) -> TorchMetadataBuilder:
+        return TorchMetadataBuilder(self, block_size, device)
+
+    def plan_key(self, block_size: int) -> str:
+        return f"torch_paged:{self.max_batched_query_len}:{self.sliding_window}:{block_size}:{self.native}"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -101,7 +204,7 @@ class TorchPagedAttention:
         num_kv_heads, block_size = kv_cache[0].shape[1], kv_cache[0].shape[2]
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
-        self.ops.write_kv(kv_cache, k, v, meta.slot_mapping, meta.scratch)
+        self._write(kv_cache, k, v, meta)
 
         plan = self._plan(meta, block_size, q.device, kv_cache[0].dtype)
         short = plan.short
@@ -121,14 +224,32 @@ class TorchPagedAttention:
                                                                kv_cache, scale)
         return out
 
+    # --- the quantized cache ----------------------------------------------------------------
+
+    def _write(self, kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Store the step's K/V: as they are, or quantized with a scale per token and KV head."""
+        if len(kv_cache) == 2:
+            self.ops.write_kv(kv_cache, k, v, meta.slot_mapping, meta.scratch)
+            return
+        k_cache, v_cache, k_scale, v_scale = kv_cache
+        kq, ks = quantize_kv(k, k_cache.dtype)
+        vq, vs = quantize_kv(v, v_cache.dtype)
+        # Copied as bytes: one-byte dtypes all copy alike (index_copy_ has no fp8 kernel on CPU).
+        self.ops.write_kv((_bytes(k_cache), _bytes(v_cache)), _bytes(kq), _bytes(vq), meta.slot_mapping,
+                          meta.scratch)
+        self.ops.write_kv((k_scale.unsqueeze(-1), v_scale.unsqueeze(-1)), ks.unsqueeze(-1), vs.unsqueeze(-1),
+                          meta.slot_mapping, meta.scratch)
+
     # --- planning -------------------------------------------------------------------------
 
     def _plan(self, meta: AttentionMetadata, block_size: int, device: torch.device, cache_dtype: torch.dtype) -> _Plan:
-        key = f"torch_paged:{self.max_batched_query_len}:{self.sliding_window}:{block_size}:{self.native}"
+        """The plan the metadata builder left in `meta.scratch`, or (called without one, as in direct tests) built
+        now, once for the step, in fresh tensors."""
+        key = self.plan_key(block_size)
         plan = meta.scratch.get(key)
         if plan is None:
             native = device.type == "cpu" and self.native is not False and paged_attention_available(cache_dtype)
-            plan = meta.scratch[key] = self._make_plan(meta, block_size, device, native)
+            plan = meta.scratch[key] = self.make_plan(meta, block_size, device, native)
         return plan
 
     def _first_position(self, seq_len: int, query_len: int) -> int:
@@ -137,54 +258,72 @@ class TorchPagedAttention:
             return 0
         return max(0, seq_len - query_len - self.sliding_window + 1)
 
-    def _make_plan(self, meta: AttentionMetadata, block_size: int, device: torch.device, native: bool) -> _Plan:
-        starts = [0]
-        for q_len in meta.query_lens:
-            starts.append(starts[-1] + q_len)
-        short = [i for i, q_len in enumerate(meta.query_lens) if q_len <= self.max_batched_query_len]
-        long_reqs = [self._long_request(i, starts[i], meta, block_size, device)
-                     for i, q_len in enumerate(meta.query_lens) if q_len > self.max_batched_query_len]
-        return _Plan(self._short_plan(short, starts, meta, block_size, device, native) if short else None,
-                     long_reqs)
+    def make_plan(self, meta: AttentionMetadata, block_size: int, device: torch.device, native: bool,
+                  host: _Buffers | None = None, dev: _Buffers | None = None) -> _Plan:
+        """The step's plan with tensor ops (no per-token Python). `host` / `dev`: the builder's persistent
+        buffers (None: fresh tensors, for a plan built outside the builder)."""
+        host = host or _Buffers("cpu")
+        dev = dev or (host if device.type == "cpu" else _Buffers(device))
+        q_lens = torch.tensor(meta.query_lens, dtype=torch.int64)
+        seq_lens = torch.tensor(meta.seq_lens_list, dtype=torch.int64)
+        starts = torch.cumsum(q_lens, 0) - q_lens
+        is_short = q_lens <= self.max_batched_query_len
+        num_short = int(is_short.sum())
+        long_reqs = []
+        if num_short < meta.num_reqs:
+            starts_list = starts.tolist()
+            long_reqs = [self._long_request(i, starts_list[i], meta, block_size, device)
+                         for i, q_len in enumerate(meta.query_lens) if q_len > self.max_batched_query_len]
+        short = None
+        if num_short:
+            rows = torch.arange(meta.num_reqs) if num_short == meta.num_reqs else is_short.nonzero().squeeze(1)
+            short = self._short_plan(rows, q_lens[rows], seq_lens[rows], starts[rows], meta, block_size, device,
+                                     native, host, dev)
+        return _Plan(short, long_reqs)
 
-    def _short_plan(self, short: list[int], starts: list[int], meta: AttentionMetadata, block_size: int,
-                    device: torch.device, native: bool) -> _ShortPlan:
-        q_lens = [meta.query_lens[i] for i in short]
-        seq_lens = [meta.seq_lens_list[i] for i in short]
-        max_q = max(q_lens)
-        first = [self._first_position(s, q) // block_size for s, q in zip(seq_lens, q_lens, strict=True)]
-        ends = [-(-s // block_size) for s in seq_lens]
+    def _short_plan(self, rows: torch.Tensor, q_lens: torch.Tensor, seq_lens: torch.Tensor, starts: torch.Tensor,
+                    meta: AttentionMetadata, block_size: int, device: torch.device, native: bool, host: _Buffers,
+                    dev: _Buffers) -> _ShortPlan:
+        num_short = int(rows.numel())
+        max_q = int(q_lens.max())
+        first_pos = torch.zeros_like(seq_lens)
+        if self.sliding_window is not None:
+            first_pos = (seq_lens - q_lens - self.sliding_window + 1).clamp_min_(0)
+        first = first_pos // block_size
+        ends = (seq_lens + block_size - 1) // block_size
         # Context position of every (padded) query; padding gets -1, which hides every key.
-        q_pos = torch.tensor([[s - q + j if j < q else -1 for j in range(max_q)]
-                              for s, q in zip(seq_lens, q_lens, strict=True)], dtype=torch.int64)  # [Bs, Q]
-        rows = torch.tensor(short, dtype=torch.int64).to(device, non_blocking=True)
-        plan = _ShortPlan(tokens=None, valid=None, num_requests=len(short), num_q=max_q,
-                          q_pos=q_pos.to(device, non_blocking=True))
+        j = torch.arange(max_q)
+        real = j[None, :] < q_lens[:, None]  # [Bs, Q]
+        q_pos = host.get("q_pos", (num_short, max_q), torch.int64)
+        torch.where(real, (seq_lens - q_lens)[:, None] + j[None, :], torch.tensor(-1), out=q_pos)
+        plan = _ShortPlan(tokens=None, valid=None, num_requests=num_short, num_q=max_q, q_pos=dev.put("q_pos", q_pos))
+        rows_d = dev.put("rows", rows)
         if native:
-            plan.tables = meta.block_tables.index_select(0, rows).int()
-            plan.first_block = torch.tensor(first, dtype=torch.int64)
-            plan.end_block = torch.tensor(ends, dtype=torch.int64)
+            plan.tables = meta.block_tables.index_select(0, rows_d).int()
+            plan.first_block = first
+            plan.end_block = ends
         else:
-            # The ragged work list, built with tensor ops: entry j of request r reads block first[r] + j.
-            counts = torch.tensor(ends, dtype=torch.int64) - torch.tensor(first, dtype=torch.int64)
-            owner = torch.repeat_interleave(torch.arange(len(short)), counts)
+            # The ragged work list: entry e of request r reads block first[r] + (e - its first entry).
+            counts = ends - first
+            num_entries = int(counts.sum())
+            owner = torch.repeat_interleave(torch.arange(num_short), counts, output_size=num_entries)
             entry_starts = torch.cumsum(counts, 0) - counts
-            block_index = torch.arange(owner.numel()) - entry_starts[owner] + torch.tensor(first)[owner]  # [NB]
-            owner_d = owner.to(device, non_blocking=True)
+            block_index = torch.arange(num_entries) - entry_starts[owner] + first[owner]  # [NB]
+            owner_d = dev.put("owner", owner)
             plan.owner = owner_d
-            plan.blocks = meta.block_tables[rows[owner_d], block_index.to(device, non_blocking=True)].long()
+            plan.blocks = meta.block_tables[rows_d[owner_d], dev.put("block_index", block_index)].long()
             key_pos = block_index[:, None] * block_size + torch.arange(block_size)  # [NB, bs]
             entry_q = q_pos[owner][:, :, None]  # [NB, Q, 1]
-            hidden = key_pos[:, None, :] > entry_q
+            hidden = host.get("hidden", (num_entries, max_q, block_size), torch.bool)
+            torch.gt(key_pos[:, None, :], entry_q, out=hidden)
             if self.sliding_window is not None:
                 hidden |= key_pos[:, None, :] <= entry_q - self.sliding_window
-            plan.hidden = hidden.to(device, non_blocking=True)
-        if len(short) == meta.num_reqs and all(q == max_q for q in q_lens):
+            plan.hidden = dev.put("hidden", hidden)
+        if num_short == meta.num_reqs and bool((q_lens == max_q).all()):
             return plan
-        tokens = [[starts[i] + min(j, meta.query_lens[i] - 1) for j in range(max_q)] for i in short]
-        valid = [r * max_q + j for r, q in enumerate(q_lens) for j in range(q)]
-        plan.tokens = torch.tensor(tokens, dtype=torch.int64).to(device, non_blocking=True)
-        plan.valid = torch.tensor(valid, dtype=torch.int64).to(device, non_blocking=True)
+        tokens = starts[:, None] + torch.minimum(j[None, :], q_lens[:, None] - 1)  # [Bs, Q]
+        plan.tokens = dev.put("tokens", tokens)
+        plan.valid = dev.put("valid", real.reshape(-1).nonzero().squeeze(1))
         return plan
 
     def _long_request(self, i: int, token_start: int, meta: AttentionMetadata, block_size: int,
@@ -207,7 +346,7 @@ class TorchPagedAttention:
 
     def _batched(self, q: torch.Tensor, plan: _ShortPlan, kv_cache: KVCache, scale: float) -> torch.Tensor:
         """Attention for [Bs, Q] padded queries over their ragged block lists; q: [Bs, Q, H, D] -> same shape."""
-        k_cache, v_cache = kv_cache
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
         if plan.tables is not None:
             assert plan.first_block is not None and plan.end_block is not None
             out = paged_attention(q, plan.q_pos, k_cache, v_cache, plan.tables, plan.first_block, plan.end_block,
@@ -230,7 +369,7 @@ class TorchPagedAttention:
         scores = torch.empty(num_entries, num_kv_heads, rows, block_size, dtype=torch.float32, device=q.device)
         for c0 in range(0, num_entries, step):
             c1 = min(c0 + step, num_entries)
-            keys = k_cache.index_select(0, plan.blocks[c0:c1]).float()  # [n, Hkv, bs, D]
+            keys = _gather(kv_cache, 0, plan.blocks[c0:c1])  # [n, Hkv, bs, D] float32
             torch.matmul(qf.index_select(0, plan.owner[c0:c1]), keys.transpose(-1, -2), out=scores[c0:c1])
         scores.view(num_entries, num_kv_heads, group, num_q, block_size).masked_fill_(
             plan.hidden[:, None, None], float("-inf"))
@@ -248,7 +387,7 @@ class TorchPagedAttention:
         out = torch.zeros(num_reqs, num_kv_heads, rows, head_dim, dtype=torch.float32, device=q.device)
         for c0 in range(0, num_entries, step):
             c1 = min(c0 + step, num_entries)
-            values = v_cache.index_select(0, plan.blocks[c0:c1]).float()  # [n, Hkv, bs, D]
+            values = _gather(kv_cache, 1, plan.blocks[c0:c1])  # [n, Hkv, bs, D] float32
             out.index_add_(0, plan.owner[c0:c1], torch.matmul(probs[c0:c1], values))
         out /= denom.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
         out = out.view(num_reqs, num_kv_heads, group, num_q, head_dim).permute(0, 3, 1, 2, 4)
@@ -257,16 +396,46 @@ class TorchPagedAttention:
     def _prefill(self, q: torch.Tensor, req: _LongRequest, meta: AttentionMetadata, kv_cache: KVCache,
                  scale: float) -> torch.Tensor:
         """SDPA for one request's query run q [q_len, H, D] over its gathered context."""
-        k_cache, v_cache = kv_cache
-        num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+        num_kv_heads, head_dim = kv_cache[0].shape[1], kv_cache[0].shape[3]
         blocks = meta.block_tables[req.request, req.first_block:req.end_block].long()
 
-        def context(cache: torch.Tensor) -> torch.Tensor:  # [1, Hkv, num_keys, D] in q's dtype
-            gathered = cache.index_select(0, blocks).to(q.dtype)  # [n, Hkv, bs, D]
+        def context(which: int) -> torch.Tensor:  # [1, Hkv, num_keys, D] in q's dtype
+            if len(kv_cache) == 2:
+                gathered = kv_cache[which].index_select(0, blocks).to(q.dtype)  # [n, Hkv, bs, D]
+            else:
+                gathered = _gather(kv_cache, which, blocks).to(q.dtype)
             return gathered.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[None, :, :req.num_keys]
 
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), context(k_cache), context(v_cache),
+            q.transpose(0, 1).unsqueeze(0), context(0), context(1),
             attn_mask=req.mask, is_causal=req.mask is None, scale=scale, enable_gqa=True,
         )  # [1, H, q_len, D]
         return out[0].transpose(0, 1)
+
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A one-byte-dtype tensor viewed as uint8 (int8 stays itself: its copies already work everywhere)."""
+    return t if t.dtype == torch.int8 else t.view(torch.uint8)
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, Hkv, D] -> (values in `dtype`, float32 scales [T, Hkv]) with x ~= values * scale per token and head."""
+    qmax = _QMAX[dtype]
+    xf = x.float()
+    scale = xf.abs().amax(-1).clamp_min(1e-12) / qmax  # [T, Hkv]
+    scaled = xf / scale[..., None]
+    if dtype == torch.int8:
+        return scaled.round_().clamp_(-qmax, qmax).to(torch.int8), scale
+    return scaled.clamp_(-qmax, qmax).to(dtype), scale
+
+
+def _gather(kv_cache: KVCache, which: int, blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks `blocks` of K (which=0) or V (1) in float32, dequantized when the cache holds scales."""
+    cache = kv_cache[which]
+    if len(kv_cache) == 2:
+        return cache.index_select(0, blocks).float()
+    values = _bytes(cache).index_select(0, blocks)
+    if cache.dtype != torch.int8:
+        values = values.view(cache.dtype)
+    return values.float().mul_(kv_cache[2 + which].index_select(0, blocks).unsqueeze(-1))

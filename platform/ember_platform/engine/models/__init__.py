@@ -75,7 +75,8 @@ def build_model(config: Mapping[str, Any] | str | Path, attn_backend: AttentionB
     """Construct the model for `config` on the meta device (no memory); `load_weights` fills it.
 
     `attn_backend` is an attention backend class (or factory), called once per distinct attention
-    configuration as `attn_backend(sliding_window=None | int, ops=ops)`. `dtype` defaults to the config's.
+    configuration as `attn_backend(layer=AttentionLayerSpec, ops=ops)`; `model.attention_backends` lists the
+    backend of each layer. `dtype` defaults to the config's.
     `ops` is the kernel-op table every layer calls (an engine's is `KernelOps.from_plugins(its plugins)`);
     None: `KernelOps.reference()`, plain torch.
     `parallel` is the rank the model is built for (stored as `model.parallel`; None: one device, no groups).

@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from ember_platform.engine.attention import AttentionBackend, AttentionBackendFactory, AttentionMetadata, KVCache
+from ember_platform.engine.attention import (
+    AttentionBackend,
+    AttentionBackendFactory,
+    AttentionLayerSpec,
+    AttentionMetadata,
+    KVCache,
+)
 from ember_platform.engine.models.layers import Embedding, Linear, PackedLinear, RMSNorm
 from ember_platform.engine.models.rope import RotaryEmbedding, rope_parameters
 from ember_platform.engine.models.structure import AttentionBlock, ModelStructure, NormFeed
@@ -188,8 +194,11 @@ class LlamaForCausalLM(nn.Module):
         by_window: dict[int | None, AttentionBackend] = {}
         for window in args.sliding_windows:  # one backend per distinct attention configuration
             if window not in by_window:
-                by_window[window] = attn_backend(sliding_window=window, ops=ops)
+                layer = AttentionLayerSpec(args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim**-0.5,
+                                           window, dtype)
+                by_window[window] = attn_backend(layer=layer, ops=ops)
         backends = [by_window[w] for w in args.sliding_windows]
+        self.attention_backends = backends  # per layer: the worker allocates each layer's cache from its spec
         self.model = DecoderModel(args, backends, [self.make_mlp(args, i) for i in range(args.num_layers)], ops)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, ops=ops)
         if args.tie_word_embeddings:  # one parameter, loaded once (from the embedding's tensor)
