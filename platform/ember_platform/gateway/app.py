@@ -38,7 +38,7 @@ from ember_platform.gateway.metrics import GatewayMetrics
 from ember_platform.gateway.openapi import OPENAPI_PATH, openapi_endpoint
 from ember_platform.gateway.protocol import MAX_PROMPTS, MAX_PROMPTS_ENV, parse_model_name
 from ember_platform.gateway.proxy import CLIENT_CLOSED, Proxy, ReplicaChooser
-from ember_platform.gateway.request_body import check_values
+from ember_platform.gateway.request_body import check_text
 from ember_platform.replica.auth import auth_headers
 
 logger = logging.getLogger("ember.gateway")
@@ -191,7 +191,7 @@ class Gateway:
         request_id = request_body.request_id(request.headers.get("x-request-id"))
         body = await _read_body(request)
         payload = request_body.loads(body)  # a nesting limit first: never a RecursionError
-        check_values(payload, body)  # a lone surrogate would fail every later encode (errors, logs, the tokenizer)
+        check_text(payload, body)  # a lone surrogate would fail every later encode (errors, logs, the tokenizer)
         if not isinstance(payload, dict):
             raise invalid_request(None, "The request body must be a JSON object.", "invalid_type")
         _check_fan_out(payload)

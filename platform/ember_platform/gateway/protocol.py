@@ -37,7 +37,7 @@ from ember_platform.gateway.errors import (
     invalid_request,
     unsupported,
 )
-from ember_platform.gateway.request_body import check_values
+from ember_platform.gateway.request_body import check_text
 
 MAX_STOP_SEQUENCES = 4
 MAX_PROMPTS_ENV = "EMBER_MAX_PROMPTS"
@@ -435,12 +435,12 @@ def _from_validation_error(e: ValidationError) -> ProtocolError:
 
 def _load(body: bytes | str | Mapping[str, Any]) -> Mapping[str, Any]:
     if isinstance(body, Mapping):
-        check_values(body)  # decoded by the caller: every string is walked
+        check_text(body)  # decoded by the caller: every string is walked
         return body
     if not body:
         raise invalid_json("the body is empty")
     data = request_body.loads(body)  # a nesting limit first, then json.loads
-    check_values(data, body)
+    check_text(data, body)
     if not isinstance(data, dict):
         kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(data), "a number")
         raise invalid_request(None, f"The request body must be a JSON object, got {kind}.", "invalid_type")

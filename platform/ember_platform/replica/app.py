@@ -44,7 +44,7 @@ from ember_platform.gateway.protocol import (
     parse_chat_request,
     parse_completion_request,
 )
-from ember_platform.gateway.request_body import check_values, max_body_bytes, read_body
+from ember_platform.gateway.request_body import check_text, max_body_bytes, read_body
 from ember_platform.gateway.responses import (
     SSE_DONE,
     ChatStream,
@@ -350,7 +350,7 @@ async def _read_body(request: Request, replica: Replica, *, authenticated: bool)
     names this package version, so a client calling a replica directly cannot skip them."""
     raw = await read_body(request, max_body_bytes())  # 413 as an OpenAI error object
     data = request_body.loads(raw) if raw else None  # a nesting limit first: never a RecursionError
-    check_values(data, raw)  # lone surrogates: a 400 naming the field, before any hook or tokenizer sees them
+    check_text(data, raw)  # lone surrogates: a 400 naming the field, before any hook or tokenizer sees them
     if not isinstance(data, dict):
         return raw
     assert replica.engine is not None
