@@ -27,11 +27,13 @@ def request(tokens: list[int], request_id: str = "r") -> Request:
     return Request(request_id, tokens, GREEDY, arrival=0)
 
 
-def drafts(spec: NgramSpeculator, req: Request, k: int = 4) -> list[int] | None:
-    # The engine's per-step input as ngram reads it: the requests to propose for and k (no hidden states).
+def drafts(spec: NgramSpeculator, req: Request, k: int = 4, verified: tuple[int, int] = (0, 0)) -> list[int] | None:
+    # The engine's per-step input as ngram reads it: the requests to propose for, k, and (drafts verified this
+    # step, drafts accepted); no hidden states.
     empty = torch.empty(0, dtype=torch.long)
     inputs = SpeculatorInputs(batch=[req], propose_for=[0], num_speculative_tokens=k, token_ids=empty,
-                              positions=empty, query_start_loc=[0, 0], num_kept=[0], num_accepted=[0])
+                              positions=empty, query_start_loc=[0, 0], num_kept=[0], num_accepted=[verified[1]],
+                              num_drafts=[verified[0]])
     proposal = spec.propose(inputs)[0]
     return None if proposal is None else proposal.token_ids
 
@@ -84,6 +86,17 @@ def test_adaptive_budget_shrinks_on_rejection_and_grows_on_acceptance() -> None:
     assert drafts(spec, req) == [2, 9]  # mean (0 + 1) / 2 = 0.5: ceil + 1 = 2 drafts
     req.output_token_ids += [2, 9, 1]  # both accepted
     assert drafts(spec, req) == [2, 9, 1]  # mean (0.5 + 2) / 2 = 1.25: 3 drafts
+
+
+def test_adaptive_budget_uses_the_engines_acceptance_count() -> None:
+    spec = speculator()
+    req = request([1, 2, 3, 4, 5, 6, 7, 8, 1, 2])
+    assert drafts(spec, req) == [3, 4, 5, 6]
+    req.output_token_ids += [9, 1, 2]
+    # Comparing these tokens with the drafts would say 0 accepted; the engine's count (3 of 4 verified) is what the
+    # budget follows when it has one: mean 3, so ceil + 1 = 4 drafts next.
+    assert drafts(spec, req, verified=(4, 3)) == [9, 1, 2, 9]  # 4 drafts (comparing tokens: mean 0, 1 draft)
+    assert spec._states["r"].mean_accepted == 3
 
 
 def test_not_adaptive_always_proposes_k() -> None:

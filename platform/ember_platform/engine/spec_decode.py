@@ -52,7 +52,8 @@ class SpecDecoder:
         inputs = SpeculatorInputs(
             batch=list(batch), propose_for=eligible, num_speculative_tokens=self.k, token_ids=plan.input_ids,
             positions=plan.positions, query_start_loc=plan.query_start_loc, num_kept=num_kept,
-            num_accepted=num_accepted, hidden_states=output.hidden_states,
+            num_accepted=num_accepted, num_drafts=[len(d) for d in plan.spec_token_ids],
+            hidden_states=output.hidden_states,
             aux_hidden_states=output.aux_hidden_states, draft_kv_caches=self.draft_kv_caches, plan=plan,
             block_size=self.speculator.context.block_size)
         proposals = self.speculator.propose(inputs)

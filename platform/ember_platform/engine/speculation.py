@@ -94,6 +94,7 @@ class SpeculatorInputs:
     query_start_loc: list[int]  # [B + 1]
     num_kept: list[int]  # [B]
     num_accepted: list[int]  # [B] drafts the target accepted this step (0 where none were verified)
+    num_drafts: list[int] = field(default_factory=list)  # [B] drafts the target verified this step (empty: unknown)
     hidden_states: torch.Tensor | None = None  # [T, D] final (normed) hidden states, if `uses_hidden_states`
     aux_hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, D], if asked
     draft_kv_caches: list[KVCache] = field(default_factory=list)  # the speculator's own, if it declared one

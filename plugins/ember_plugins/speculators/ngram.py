@@ -61,7 +61,11 @@ class NgramSpeculator(Speculator):
 
     def propose(self, inputs: SpeculatorInputs) -> list[Proposal | None]:
         k = inputs.num_speculative_tokens
-        return [self._propose_one(req, k) for req in inputs.requests]
+        # The engine says how many of the drafts it verified this step the target accepted; where it verified none
+        # (or does not say), the new tokens are compared with the last proposal instead.
+        verified = inputs.num_drafts or [0] * len(inputs.batch)
+        return [self._propose_one(inputs.batch[i], k, inputs.num_accepted[i] if verified[i] else None)
+                for i in inputs.propose_for]
 
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -72,8 +76,8 @@ class NgramSpeculator(Speculator):
             state = self._states[req.request_id] = _RequestState()
         return state
 
-    def _update(self, state: _RequestState, req: Request) -> None:
-        """Append the request's new tokens; score the last proposal against them."""
+    def _update(self, state: _RequestState, req: Request, accepted: int | None = None) -> None:
+        """Append the request's new tokens; score the last proposal (`accepted`: what the engine counted)."""
         old_count = state.count
         if old_count < req.num_prompt_tokens:
             state.packed.extend(req.prompt_token_ids[old_count:])
@@ -82,14 +86,15 @@ class NgramSpeculator(Speculator):
         state.packed.extend(new)
         state.count = req.num_tokens
         if state.proposed and new:
-            # The step that verified our drafts kept the longest agreeing prefix, plus one token of the
-            # target's own; that token may happen to equal our next draft, hence the cap.
-            accepted = 0
-            for draft, token in zip(state.proposed, new, strict=False):
-                if draft != token:
-                    break
-                accepted += 1
-            accepted = min(accepted, len(new) - 1)
+            if accepted is None:
+                # The step that verified our drafts kept the longest agreeing prefix, plus one token of the
+                # target's own; that token may happen to equal our next draft, hence the cap.
+                accepted = 0
+                for draft, token in zip(state.proposed, new, strict=False):
+                    if draft != token:
+                        break
+                    accepted += 1
+                accepted = min(accepted, len(new) - 1)
             # Halve the weight of the past each step: a request's text switches between repetitive
             # stretches and novel ones within a few tokens.
             prev = state.mean_accepted
@@ -104,9 +109,9 @@ class NgramSpeculator(Speculator):
             return k
         return max(1, min(k, math.ceil(state.mean_accepted) + 1))
 
-    def _propose_one(self, req: Request, k: int) -> Proposal | None:
+    def _propose_one(self, req: Request, k: int, accepted: int | None = None) -> Proposal | None:
         state = self._state(req)
-        self._update(state, req)
+        self._update(state, req, accepted)
         tokens = state.packed
         n_total = len(tokens)
         haystack = tokens.tobytes()
