@@ -264,42 +264,50 @@ class TorchPagedAttention:
         buffers (None: fresh tensors, for a plan built outside the builder)."""
         host = host or _Buffers("cpu")
         dev = dev or (host if device.type == "cpu" else _Buffers(device))
-        q_lens = torch.tensor(meta.query_lens, dtype=torch.int64)
-        seq_lens = torch.tensor(meta.seq_lens_list, dtype=torch.int64)
-        starts = torch.cumsum(q_lens, 0) - q_lens
-        is_short = q_lens <= self.max_batched_query_len
-        num_short = int(is_short.sum())
-        long_reqs = []
-        if num_short < meta.num_reqs:
-            starts_list = starts.tolist()
-            long_reqs = [self._long_request(i, starts_list[i], meta, block_size, device)
-                         for i, q_len in enumerate(meta.query_lens) if q_len > self.max_batched_query_len]
+        limit = self.max_batched_query_len
+        if meta.max_query_len <= limit:  # every request short (every decode step): no split to compute
+            if not meta.num_reqs:
+                return _Plan(None, [])
+            return _Plan(self._short_plan(None, meta.query_lens, meta.seq_lens_list, meta, block_size, device,
+                                          native, host, dev), [])
+        starts = [0]
+        for q_len in meta.query_lens:  # per request, not per token
+            starts.append(starts[-1] + q_len)
+        rows = [i for i, q_len in enumerate(meta.query_lens) if q_len <= limit]
+        long_reqs = [self._long_request(i, starts[i], meta, block_size, device)
+                     for i, q_len in enumerate(meta.query_lens) if q_len > limit]
         short = None
-        if num_short:
-            rows = torch.arange(meta.num_reqs) if num_short == meta.num_reqs else is_short.nonzero().squeeze(1)
-            short = self._short_plan(rows, q_lens[rows], seq_lens[rows], starts[rows], meta, block_size, device,
-                                     native, host, dev)
+        if rows:
+            short = self._short_plan(rows, [meta.query_lens[i] for i in rows], [meta.seq_lens_list[i] for i in rows],
+                                     meta, block_size, device, native, host, dev)
         return _Plan(short, long_reqs)
 
-    def _short_plan(self, rows: torch.Tensor, q_lens: torch.Tensor, seq_lens: torch.Tensor, starts: torch.Tensor,
-                    meta: AttentionMetadata, block_size: int, device: torch.device, native: bool, host: _Buffers,
+    def _short_plan(self, rows: list[int] | None, q_list: list[int], seq_list: list[int], meta: AttentionMetadata,
+                    block_size: int, device: torch.device, native: bool, host: _Buffers,
                     dev: _Buffers) -> _ShortPlan:
-        num_short = int(rows.numel())
-        max_q = int(q_lens.max())
-        first_pos = torch.zeros_like(seq_lens)
+        """The batched path's plan for the short requests `rows` (None: all of them) with those query and context
+        lengths."""
+        num_short, max_q = len(q_list), max(q_list)
+        q_lens = torch.tensor(q_list, dtype=torch.int64)
+        seq_lens = torch.tensor(seq_list, dtype=torch.int64)
         if self.sliding_window is not None:
-            first_pos = (seq_lens - q_lens - self.sliding_window + 1).clamp_min_(0)
-        first = first_pos // block_size
+            first = (seq_lens - q_lens - self.sliding_window + 1).clamp_min_(0) // block_size
+        else:
+            first = torch.zeros(num_short, dtype=torch.int64)
         ends = (seq_lens + block_size - 1) // block_size
         # Context position of every (padded) query; padding gets -1, which hides every key.
-        j = torch.arange(max_q)
-        real = j[None, :] < q_lens[:, None]  # [Bs, Q]
         q_pos = host.get("q_pos", (num_short, max_q), torch.int64)
-        torch.where(real, (seq_lens - q_lens)[:, None] + j[None, :], torch.tensor(-1), out=q_pos)
+        uniform = min(q_list) == max_q
+        j = torch.arange(max_q)
+        if uniform:  # no padding (a decode step: every query is its context's last position)
+            torch.add((seq_lens - max_q)[:, None], j[None, :], out=q_pos)
+        else:
+            real = j[None, :] < q_lens[:, None]  # [Bs, Q]
+            torch.where(real, (seq_lens - q_lens)[:, None] + j[None, :], torch.tensor(-1), out=q_pos)
         plan = _ShortPlan(tokens=None, valid=None, num_requests=num_short, num_q=max_q, q_pos=dev.put("q_pos", q_pos))
-        rows_d = dev.put("rows", rows)
+        rows_d = None if rows is None else dev.put("rows", torch.tensor(rows, dtype=torch.int64))
         if native:
-            plan.tables = meta.block_tables.index_select(0, rows_d).int()
+            plan.tables = meta.block_tables if rows_d is None else meta.block_tables.index_select(0, rows_d)
             plan.first_block = first
             plan.end_block = ends
         else:
@@ -311,7 +319,8 @@ class TorchPagedAttention:
             block_index = torch.arange(num_entries) - entry_starts[owner] + first[owner]  # [NB]
             owner_d = dev.put("owner", owner)
             plan.owner = owner_d
-            plan.blocks = meta.block_tables[rows_d[owner_d], dev.put("block_index", block_index)].long()
+            table_rows = owner_d if rows_d is None else rows_d[owner_d]
+            plan.blocks = meta.block_tables[table_rows, dev.put("block_index", block_index)].long()
             key_pos = block_index[:, None] * block_size + torch.arange(block_size)  # [NB, bs]
             entry_q = q_pos[owner][:, :, None]  # [NB, Q, 1]
             hidden = host.get("hidden", (num_entries, max_q, block_size), torch.bool)
@@ -319,8 +328,13 @@ class TorchPagedAttention:
             if self.sliding_window is not None:
                 hidden |= key_pos[:, None, :] <= entry_q - self.sliding_window
             plan.hidden = dev.put("hidden", hidden)
-        if num_short == meta.num_reqs and bool((q_lens == max_q).all()):
+        if rows is None and uniform:
             return plan
+        starts = torch.tensor(_first_tokens(meta, rows), dtype=torch.int64)  # [Bs]
+        tokens = starts[:, None] + torch.minimum(j[None, :], q_lens[:, None] - 1)  # [Bs, Q]
+        plan.tokens = dev.put("tokens", tokens)
+        plan.valid = dev.put("valid", (j[None, :] < q_lens[:, None]).reshape(-1).nonzero().squeeze(1))
+        return plan
         tokens = starts[:, None] + torch.minimum(j[None, :], q_lens[:, None] - 1)  # [Bs, Q]
         plan.tokens = dev.put("tokens", tokens)
         plan.valid = dev.put("valid", real.reshape(-1).nonzero().squeeze(1))
@@ -412,6 +426,15 @@ class TorchPagedAttention:
         )  # [1, H, q_len, D]
         return out[0].transpose(0, 1)
 
+
+
+def _first_tokens(meta: AttentionMetadata, rows: list[int] | None) -> list[int]:
+    """The first token row of each request in `rows` (None: every request), one addition per request."""
+    starts, total = [], 0
+    for q_len in meta.query_lens:
+        starts.append(total)
+        total += q_len
+    return starts if rows is None else [starts[i] for i in rows]
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
