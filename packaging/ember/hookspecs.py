@@ -66,7 +66,14 @@ def ember_speculators(register: Register) -> None:
 
 @hookspec
 def ember_attention_backends(register: Register) -> None:
-    """Register paged-attention backends, e.g. "torch", "triton", "flashinfer"."""
+    """Register paged-attention backends, e.g. "torch", "triton", "flashinfer".
+
+    `impl` is a class (`ember_platform.api.AttentionBackend`) the model builds once per distinct attention
+    configuration as `cls(layer=AttentionLayerSpec, ops=KernelOps, kv_cache_dtype=..., **options)`; declare the
+    `[kernels] options` keys it reads with `register(..., options=(...))`. Its `kv_cache_spec(block_size)` is the
+    layout the worker allocates, `kv_cache_dtypes` the `[runtime] kv_cache_dtype` values it stores, and
+    `metadata_builder(block_size, device)` the planner the runner calls once per step.
+    """
 
 
 @hookspec
