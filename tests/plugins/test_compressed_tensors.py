@@ -222,4 +222,4 @@ def test_peak_memory_of_int8_loads_is_below_the_full_precision_load(larger: tupl
     # Loading the int8 checkpoint never holds a bf16 copy: it peaks lower by most of what int8 saves.
     assert prequantized < bf16 - 0.7 * saved
     # Quantizing on load holds one bf16 layer at a time (one layer is 1/8 of the linears here), not the model.
-    assert on_load < bf16 - 0.5 * saved
+    assert on_load < bf16 - 0.6 * saved

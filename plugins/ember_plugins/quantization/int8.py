@@ -70,14 +70,21 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output channel: (qweight [out, in] int8, scale [out] float32)."""
-    w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)  # [out]
-    if w.data_ptr() == weight.data_ptr():  # a float32 weight: do not round the caller's tensor
-        w = w.clone()
-    # In place: quantizing on load runs this per layer, and each temporary would be another float32 copy of it.
-    return w.div_(scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), scale
+def quantize_per_channel(weight: torch.Tensor, rows_per_chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: (qweight [out, in] int8, scale [out] float32).
+
+    A chunk of rows at a time, in place: quantizing on load runs this once per layer, and a float32 copy of a
+    whole layer (and each temporary of the formula) would be the largest thing the load holds."""
+    out_features = weight.shape[0]
+    qweight = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(out_features, dtype=torch.float32, device=weight.device)
+    for start in range(0, out_features, rows_per_chunk):
+        rows = slice(start, start + rows_per_chunk)
+        w = weight[rows].detach().to(torch.float32, copy=True)  # a copy: never round the caller's tensor
+        s = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)  # [rows]
+        qweight[rows] = w.div_(s[:, None]).round_().clamp_(-127, 127)  # integral already: the cast is exact
+        scale[rows] = s
+    return qweight, scale
 
 
 def _fbgemm_prepack(qweight: torch.Tensor, scale: torch.Tensor) -> Any:
