@@ -6,6 +6,7 @@ for real) that the engine runs end to end."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,23 +25,27 @@ LOGPROB_ATOL = {"int8": 0.06, "fp8": 0.25}  # measured: 0.036 and 0.14
 OUTPUT_ATOL = {"int8": 0.03, "fp8": 0.15}  # measured: 0.016 and 0.12
 
 
-def layer_caches(backend: TorchPagedAttention, num_blocks: int) -> tuple[torch.Tensor, ...]:
+def layer_caches(backend: Any, num_blocks: int) -> tuple[torch.Tensor, ...]:
     return backend.kv_cache_spec(BLOCK).allocate(num_blocks, "cpu")
 
 
-def run_steps(backend: TorchPagedAttention, steps: list[tuple[list[int], list[int]]], tables: list[list[int]],
-              seed: int = 0) -> list[torch.Tensor]:
-    """Run a sequence of steps (query_lens, seq_lens) through one backend from empty caches; its outputs."""
+def run_steps(backend: Any, steps: list[tuple[list[int], list[int]]], tables: list[list[int]],
+              seed: int = 0, layer: AttentionLayerSpec = LAYER) -> list[torch.Tensor]:
+    """Run a sequence of steps (query_lens, seq_lens) through one backend from empty caches of its own spec, its
+    builder planning each step as the runner does; its outputs."""
     gen = torch.Generator().manual_seed(seed)
     kv_cache = layer_caches(backend, 64)
+    builder = backend.metadata_builder(BLOCK, torch.device("cpu"))
     outs = []
     for query_lens, seq_lens in steps:
         n = sum(query_lens)
-        q = torch.randn(n, LAYER.num_heads, LAYER.head_dim, generator=gen)
-        k = torch.randn(n, LAYER.num_kv_heads, LAYER.head_dim, generator=gen)
-        v = torch.randn(n, LAYER.num_kv_heads, LAYER.head_dim, generator=gen)
+        q = torch.randn(n, layer.num_heads, layer.head_dim, generator=gen)
+        k = torch.randn(n, layer.num_kv_heads, layer.head_dim, generator=gen)
+        v = torch.randn(n, layer.num_kv_heads, layer.head_dim, generator=gen)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK)
-        outs.append(backend.forward(q, k, v, kv_cache, meta, LAYER.scale))
+        if builder is not None:
+            builder.build(meta)
+        outs.append(backend.forward(q, k, v, kv_cache, meta, layer.scale))
     return outs
 
 
@@ -190,3 +195,17 @@ def test_hook_ember_attention_backends(use_plugins) -> None:
     forwards = ember_nhd_attention.CALLS["forward"] - before["forward"]
     assert builds >= params.max_tokens and forwards == builds * cfg["num_hidden_layers"]
     assert [o.token_ids for o in out] == [o.token_ids for o in default]
+
+
+def test_readme_backend_matches_torch_with_a_sliding_window(use_plugins) -> None:
+    # The README plugin's own layout and masks against the built-in backend, window included (tiny-llama has none).
+    use_plugins("nhd-attention")
+    from ember_nhd_attention import NHDAttention
+
+    layer = AttentionLayerSpec(num_heads=8, num_kv_heads=2, head_dim=32, scale=32**-0.5, sliding_window=5)
+    nhd = NHDAttention(layer=layer, ops=None)
+    assert nhd.kv_cache_spec(BLOCK).tensors[0][0] == (BLOCK, 2, 32)  # token-major, unlike torch's (2, BLOCK, 32)
+    got = run_steps(nhd, STEPS, TABLES, layer=layer)
+    want = run_steps(TorchPagedAttention(layer=layer, native=False), STEPS, TABLES, layer=layer)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
