@@ -13,7 +13,12 @@ import torch
 
 from ember.errors import ManifestError
 from ember_platform import LLM, SamplingParams
-from ember_platform.engine.attention import AttentionLayerSpec, AttentionMetadata, hnd_kv_cache_spec
+from ember_platform.engine.attention import (
+    AttentionLayerSpec,
+    AttentionMetadata,
+    check_backend_settings,
+    hnd_kv_cache_spec,
+)
 from ember_plugins.attention.torch_paged import TorchPagedAttention, quantize_kv
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny-llama"
@@ -209,3 +214,18 @@ def test_readme_backend_matches_torch_with_a_sliding_window(use_plugins) -> None
     want = run_steps(TorchPagedAttention(layer=layer, native=False), STEPS, TABLES, layer=layer)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+
+
+def test_backend_settings_are_checked_against_what_the_class_declares() -> None:
+    class Sixteen:
+        name = "sixteen"
+        kv_cache_dtypes = ("auto", "fp8")
+        block_sizes = (16, 32)
+
+    check_backend_settings(Sixteen, "fp8", 32)
+    with pytest.raises(ValueError, match=r"kv_block_size = 8: attention backend 'sixteen' supports block sizes 16, 32"):
+        check_backend_settings(Sixteen, "auto", 8)
+    with pytest.raises(ValueError,
+                       match=r"kv_cache_dtype = 'int8': attention backend 'sixteen' supports 'auto', 'fp8'$"):
+        check_backend_settings(Sixteen, "int8", 16)
+    check_backend_settings(TorchPagedAttention, "int8", 1)  # any block size
