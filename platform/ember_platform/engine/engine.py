@@ -27,6 +27,7 @@ from ember_platform.engine.config import ModelSource, read_hf_config, resolve_so
 from ember_platform.engine.executor import Executor, UniprocessExecutor
 from ember_platform.engine.kernel_ops import KernelOps
 from ember_platform.engine.kv_cache_manager import KVCacheManager
+from ember_platform.engine.limits import check_context_length, check_kv_capacity
 from ember_platform.engine.lora import check_adapter_name
 from ember_platform.engine.lora_manager import LoRAManager, UnknownLoRAError
 from ember_platform.engine.outputs import RequestOutput, Usage
@@ -108,6 +109,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(source.weights_dir)
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.max_model_len = rt.max_model_len or int(self.hf_config.get("max_position_embeddings", 2048))
+        check_context_length(rt.max_model_len, self.hf_config, source)
         self.speculator = self._make_speculator()
         self.spec = None if self.speculator is None else SpecDecoder(
             self.speculator, num_speculative_tokens=manifest.speculator.num_speculative_tokens,
@@ -115,6 +117,8 @@ class LLMEngine:
             num_layers=kv_cache_shape(self.hf_config)[0])
         draft_spec = self.speculator.kv_cache_spec() if self.speculator is not None else None
         num_blocks = engine_only.get("num_kv_blocks") or self._num_kv_blocks(draft_spec)
+        if not engine_only.get("num_kv_blocks"):  # an explicit count (tests, benches) may be small on purpose
+            check_kv_capacity(num_blocks, self.block_size, self.max_model_len, source)
         self.executor.init_kv_cache(num_blocks, draft_spec)
         if self.spec is not None and draft_spec is not None:
             self._bind_draft_kv()
@@ -255,6 +259,12 @@ class LLMEngine:
 
     # --- requests ---------------------------------------------------------------------------
 
+    @property
+    def max_sequence_len(self) -> int:
+        """The longest sequence (prompt and output) this engine can hold: its context, or its whole KV cache where
+        that is smaller (an explicit `num_kv_blocks`; a cache sized from memory always holds the context)."""
+        return min(self.max_model_len, self.kv.num_blocks * self.block_size)
+
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     lora_name: str | None = None, cache_salt: str | None = None) -> Request:
         params = params or SamplingParams()
@@ -266,6 +276,10 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens, but the model's context is {self.max_model_len} tokens "
                              "(prompt plus at least one generated token)")
+        if self.kv.blocks_needed(len(ids) + 1) > self.kv.num_blocks:  # could never be scheduled, even alone
+            raise ValueError(f"prompt: {len(ids)} tokens, but this engine's KV cache holds "
+                             f"{self.kv.num_blocks * self.block_size} tokens (prompt plus at least one generated "
+                             "token)")
         if max(ids) >= self.vocab_size or min(ids) < 0:
             raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size})")
         outside = [i for i in params.stop_token_ids if i >= self.vocab_size]

@@ -249,6 +249,10 @@ class Replica:
                 raise _not_serving(self.state, self.failure) from e
             from ember_platform.engine.async_engine import RequestFailedError
 
+            if isinstance(e, ValueError) and not got_token:  # the engine refused the request as given: the client's
+                field, _, detail = str(e).partition(": ")    # to change ("prompt: 142 tokens, but ...")
+                raise ProtocolError(400, f"Invalid '{field}': {detail}" if detail else str(e),
+                                    field if detail else None, "invalid_value") from None
             if isinstance(e, RequestFailedError):  # this request alone failed; the replica serves on
                 log.error("request %s: %s", request_id, e)
                 raise ProtocolError(500, f"Generation failed: {e}. The other requests are not affected.", None,
@@ -573,7 +577,7 @@ def create_app(replica: Replica, *, secret: str | None = None) -> Starlette:
         adapter = _adapter(replica, body)
         prompt = _chat_prompt_ids(replica, body)
         assert replica.engine is not None
-        params = body.sampling_params_for(len(prompt), replica.engine.max_model_len, replica.engine.vocab_size)
+        params = body.sampling_params_for(len(prompt), replica.engine.max_sequence_len, replica.engine.vocab_size)
         response_id = new_chat_completion_id()
         if body.stream:
             stream = ChatStream(model=body.model, token_text=replica.token_text, include_usage=body.include_usage,
@@ -590,7 +594,7 @@ def create_app(replica: Replica, *, secret: str | None = None) -> Starlette:
         adapter = _adapter(replica, body)
         prompts = _prompt_ids(replica, body)
         assert replica.engine is not None
-        params = [body.sampling_params_for(len(ids), replica.engine.max_model_len, replica.engine.vocab_size)
+        params = [body.sampling_params_for(len(ids), replica.engine.max_sequence_len, replica.engine.vocab_size)
                   for ids in prompts]
         response_id = new_completion_id()
         if body.stream:

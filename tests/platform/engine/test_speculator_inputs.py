@@ -71,7 +71,7 @@ def test_draft_probabilities_reach_verification(hidden_lookup) -> None:
 def test_draft_kv_cache_and_declared_memory_are_budgeted(hidden_lookup) -> None:
     budget_gb = 0.01
     llm = hidden_lookup(kv_cache_memory_gb=budget_gb, speculator_options={"draft_kv": True},
-                        max_num_seqs=256)
+                        max_num_seqs=256, max_model_len=1024)  # the budget holds ~1.5k tokens: one full sequence
     engine, spec = llm.engine, llm.engine.speculator
     target_per_block = 2 * 4 * 16 * 2 * 64 * 4  # 2 (k, v) x layers x block x KV heads x head dim x float32
     draft_per_block = 2 * 1 * 16 * 1 * 256 * 4  # its one layer of one 256-wide head
