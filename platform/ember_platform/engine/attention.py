@@ -213,7 +213,8 @@ class AttentionMetadata:
 class AttentionMetadataBuilder(Protocol):
     """A backend's per-step planner: the runner calls `build(meta)` once per step, before the forward pass, so
     that every layer finds the plan ready (in `meta.scratch`, under the backend's own key). Builders keep their
-    buffers across steps rather than allocating per step, and plan with tensor ops, not per-token Python."""
+    buffers across steps rather than allocating per step, and plan with tensor ops, not per-token Python; so a
+    step's plan is valid until the builder's next `build` (the runner finishes a step before planning the next)."""
 
     def build(self, meta: AttentionMetadata) -> None:
         ...
