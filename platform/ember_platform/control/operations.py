@@ -27,6 +27,8 @@ class DeployOperations(PlaneCore):
             raise InvalidDeployment(f"min_replicas ({min_replicas}) must not exceed max_replicas ({max_replicas})")
         async with self._lock(name):
             pulled = await asyncio.to_thread(self._pull, reference)
+            if overrides:  # refused now (400) rather than by replicas that then fail to start
+                await asyncio.to_thread(check_overrides, pulled, overrides)
             dep = self._deployments.get(name)
             if dep is None:
                 dep = Deployment(name=name, active_version=pulled.version, on_change=self.states.changed)
@@ -170,3 +172,19 @@ class DeployOperations(PlaneCore):
         for replica in list(dep.replicas):
             if replica.version != version:
                 self._retire(dep, replica)
+
+
+def check_overrides(version: DeploymentVersion, overrides: Mapping[str, str]) -> None:
+    """InvalidDeployment for overrides a replica of `version` would refuse (an unknown key, a value its manifest
+    section does not take, a setting not supported yet, an option no technique reads): the replica's own checks,
+    run here before any replica starts. Torch-free, like the replica's command-line check."""
+    from ember.errors import EmberError
+    from ember.plugins import PluginHost
+    from ember_platform.engine.config import override_value, resolve_source
+
+    where = f"{version.manifest.reference} with overrides {dict(overrides)}"
+    try:
+        source, _ = resolve_source(version.package_dir, {k: override_value(v) for k, v in overrides.items()})
+        PluginHost.for_package(version.package_dir).check_manifest(source.manifest, source=where)
+    except (EmberError, TypeError, ValueError) as e:
+        raise InvalidDeployment(f"cannot deploy {where}: {e}") from None

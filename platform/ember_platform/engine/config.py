@@ -32,6 +32,15 @@ _OVERRIDES: dict[str, tuple[str, str]] = {
 _ENGINE_ONLY = {"num_kv_blocks", "kv_tiers"}
 
 
+def override_value(text: str) -> Any:
+    """An override as a command line or the admin API carries it (text): JSON when it is JSON (`8`, `true`,
+    `{"bits": 4}`), else the string itself (`int8`)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 @dataclass(slots=True)
 class ModelSource:
     """What `LLM(path)` was pointed at."""

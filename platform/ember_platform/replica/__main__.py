@@ -6,7 +6,6 @@ checks the package out itself, through a blob cache on its machine, and refuses 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.errors import EmberError
+from ember_platform.engine.config import override_value
 from ember_platform.replica.app import DEFAULT_STREAM_EVENT_RATE, MAX_STREAM_INTERVAL, Replica
 from ember_platform.replica.auth import SECRET_ENV, new_secret
 from ember_platform.replica.server import DEFAULT_DRAIN_TIMEOUT, READY_LINE, serve
@@ -26,10 +26,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, eq, value = text.partition("=")
     if not eq or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        return key.strip(), json.loads(value)
-    except json.JSONDecodeError:
-        return key.strip(), value
+    return key.strip(), override_value(value)
 
 
 def build_parser() -> argparse.ArgumentParser:

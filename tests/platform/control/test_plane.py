@@ -19,12 +19,14 @@ from ember_platform.control.plane import (
     ControlPlane,
     DeployError,
     DeploymentNotFound,
+    InvalidDeployment,
     NoReplicaAvailable,
     VersionNotFound,
 )
 from ember_plugins.launchers.local import LocalProcessLauncher
 
 T = TypeVar("T")
+TOO_SMALL_KV = {"kv_cache_memory_gb": "1e-9"}  # passes every check a deploy makes; the engine refuses it at load
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_replica")
 
@@ -122,9 +124,14 @@ def test_cold_start_then_a_dead_replica_is_replaced_and_delete_stops_it(tmp_path
             assert replica.state is ReplicaState.DEAD and replica not in dep.replicas
             assert any(f"replica {replica.id} (0.1.0) exited by itself (code -9)" in e for e in dep.events)
 
-            # A new version whose replicas cannot start changes nothing.
-            with pytest.raises(DeployError, match="unknown engine option 'no_such_option'"):
+            # Overrides a replica would refuse are refused at once (400), before any replica starts.
+            with pytest.raises(InvalidDeployment, match="unknown engine option 'no_such_option'"):
                 await plane.deploy("tiny-llama:0.2.0", overrides={"no_such_option": "1"})
+            with pytest.raises(InvalidDeployment, match="tensor_parallel.*not supported yet"):
+                await plane.deploy("tiny-llama:0.2.0", overrides={"parallelism": "none", "tensor_parallel": "2"})
+            # A new version whose replicas cannot start (a KV cache too small for one sequence) changes nothing.
+            with pytest.raises(DeployError, match="KV cache holds"):
+                await plane.deploy("tiny-llama:0.2.0", overrides=TOO_SMALL_KV)
             assert dep.active_version == "0.1.0" and dep.overrides == {} and sorted(dep.versions) == ["0.1.0"]
             assert dep.ready_replicas() == [replacement]
 
@@ -145,9 +152,9 @@ def test_a_first_deploy_that_cannot_start_leaves_nothing_behind(tmp_path: Path, 
         await plane.start()
         try:
             with pytest.raises(DeployError) as caught:
-                await plane.deploy("tiny-llama:0.1.0", min_replicas=1, overrides={"no_such_option": "1"})
+                await plane.deploy("tiny-llama:0.1.0", min_replicas=1, overrides=TOO_SMALL_KV)
             message = str(caught.value)
-            assert "exited with code 2 before it was ready" in message and "last lines of" in message
+            assert "before it was ready" in message and "last lines of" in message and "KV cache holds" in message
             assert plane.names() == []
         finally:
             await plane.shutdown()
