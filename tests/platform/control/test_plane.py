@@ -127,7 +127,7 @@ def test_cold_start_then_a_dead_replica_is_replaced_and_delete_stops_it(tmp_path
             # Overrides a replica would refuse are refused at once (400), before any replica starts.
             with pytest.raises(InvalidDeployment, match="unknown engine option 'no_such_option'"):
                 await plane.deploy("tiny-llama:0.2.0", overrides={"no_such_option": "1"})
-            with pytest.raises(InvalidDeployment, match="tensor_parallel.*not supported yet"):
+            with pytest.raises(InvalidDeployment, match=r"tensor_parallel.*not supported yet"):
                 await plane.deploy("tiny-llama:0.2.0", overrides={"parallelism": "none", "tensor_parallel": "2"})
             # A new version whose replicas cannot start (a KV cache too small for one sequence) changes nothing.
             with pytest.raises(DeployError, match="KV cache holds"):
