@@ -161,6 +161,10 @@ class Worker:
         yet, so every rank holds all of them.)"""
         assert self.model is not None, "load_model() first"
         block_size = self.config.block_size
+        for backend in self.model.attention_backends:
+            if not callable(getattr(backend, "kv_cache_spec", None)):
+                raise TypeError(f"attention backend {type(backend).__name__} has no kv_cache_spec(block_size): an "
+                                "AttentionBackend (ember_platform.api) declares the KV cache layout it reads")
         return RankKVCacheSpec(tuple(b.kv_cache_spec(block_size) for b in self.model.attention_backends))
 
     def kv_bytes_per_block(self, draft: DraftKVSpec | None = None) -> int:
