@@ -3,6 +3,7 @@ enters, then made read-only, so a pulled package can be hardlinked from it safel
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from pathlib import Path
@@ -10,6 +11,8 @@ from pathlib import Path
 from ember.errors import PackageError
 from ember.package.lock import hash_file
 from ember.registry.base import OnBytes, Registry, blob_key
+
+_NO_HARDLINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EMLINK})  # filesystems (or inodes) that refuse one
 
 DEFAULT_CACHE = "~/.ember/cache"
 
@@ -62,7 +65,18 @@ class BlobCache:
                                    "the registry copy was tampered with or damaged, refusing it")
             os.chmod(tmp, 0o444)
             final.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp, final)
+            try:
+                # link, not replace: a blob another pull placed meanwhile stays. Replacing it would drop that inode's
+                # last name while the other pull hardlinks it into its package, and link(2) then fails with ENOENT
+                # (seen as "cannot lay out 'weights/model.safetensors'" when `ember serve` deployed two packages
+                # sharing their weights at once).
+                os.link(tmp, final)
+            except FileExistsError:
+                pass  # the same content, verified by whoever placed it
+            except OSError as e:
+                if e.errno not in _NO_HARDLINKS:
+                    raise
+                os.replace(tmp, final)  # a filesystem without hardlinks: the old behaviour
         finally:
             tmp.unlink(missing_ok=True)
         return final
