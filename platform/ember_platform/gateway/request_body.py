@@ -9,6 +9,7 @@ import math
 import os
 import re
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -126,27 +127,39 @@ def loads(body: bytes | str) -> Any:
     return data
 
 
-def lone_surrogate_path(value: Any, path: str = "") -> str | None:
-    """The OpenAI-style path (`messages[0].content`, `stop[1]`) of the first string, or object key, holding a lone
-    UTF-16 surrogate (valid in JSON escapes, not in Unicode text), or None. `path` is where `value` sits."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or None
-        return None
+def first_path(value: Any, bad: Callable[[Any], bool], path: str = "", *, keys: bool = False) -> str | None:
+    """The OpenAI-style path (`messages[0].content`, `stop[1]`) of the first value in a decoded body for which `bad`
+    holds (object keys too, with `keys`), or None. `path` is where `value` sits."""
     if isinstance(value, dict):
         for key, item in value.items():
             here = f"{path}.{key}" if path else str(key)
-            if lone_surrogate_path(key, here) is not None:
+            if keys and bad(key):
                 return here
-            if (found := lone_surrogate_path(item, here)) is not None:
+            if (found := first_path(item, bad, here, keys=keys)) is not None:
                 return found
-    elif isinstance(value, list):
+        return None
+    if isinstance(value, list):
         for i, item in enumerate(value):
-            if (found := lone_surrogate_path(item, f"{path}[{i}]")) is not None:
+            if (found := first_path(item, bad, f"{path}[{i}]", keys=keys)) is not None:
                 return found
-    return None
+        return None
+    return (path or None) if bad(value) else None
+
+
+def _lone_surrogate(value: Any) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def lone_surrogate_path(value: Any, path: str = "") -> str | None:
+    """The path of the first string, or object key, holding a lone UTF-16 surrogate (valid in JSON escapes, not in
+    Unicode text), or None."""
+    return first_path(value, _lone_surrogate, path, keys=True)
 
 
 def check_text(data: Any, raw: bytes | str | None = None) -> None:
@@ -165,17 +178,7 @@ def check_text(data: Any, raw: bytes | str | None = None) -> None:
 
 def non_finite_path(value: Any, path: str = "") -> str | None:
     """The OpenAI-style path of the first number that is not finite (1e999, NaN), or None."""
-    if isinstance(value, float):
-        return None if math.isfinite(value) else (path or None)
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if (found := non_finite_path(item, f"{path}.{key}" if path else str(key))) is not None:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            if (found := non_finite_path(item, f"{path}[{i}]")) is not None:
-                return found
-    return None
+    return first_path(value, lambda v: isinstance(v, float) and not math.isfinite(v), path)
 
 
 def check_finite(data: Any) -> None:
