@@ -287,6 +287,8 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids: token ids must be in [0, {self.vocab_size}), got {outside[0]}")
         if lora_name is not None and (self.lora is None or lora_name not in self.lora.specs):
             raise UnknownLoRAError(lora_name, self.lora_names)
+        if params.structured is not None:  # refused, never ignored, until the grammar matcher is wired in
+            raise ValueError("structured: structured outputs are not supported by this engine yet")
         if self.sleeping:  # a request is what wakes a sleeping engine
             self.wake()
         req = Request(request_id, ids, params, next(self._arrivals), lora_name=lora_name, cache_salt=cache_salt)

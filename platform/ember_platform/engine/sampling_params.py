@@ -5,10 +5,12 @@ Torch-free on purpose: the HTTP layer builds these to validate a request without
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 MAX_LOGPROBS = 20
 # Below this a temperature counts as 0 (greedy): dividing logits by it would overflow float32.
@@ -39,6 +41,46 @@ def _integer(field: str, value: object, allowed: str) -> int:
     return int(value)
 
 
+StructuredKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
+STRUCTURED_KINDS: tuple[str, ...] = get_args(StructuredKind)
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on a request's output, enforced token by token by the engine's grammar matcher.
+
+    `spec` is text, so the pair is hashable and is the grammar cache's key:
+    - json_schema: the JSON text of a JSON Schema;
+    - json_object: any JSON object (spec ignored, conventionally "");
+    - regex: a regular expression the whole output must match;
+    - grammar: a Lark grammar in llguidance's syntax (which allows `%json {...}` inline for a schema);
+    - choice: the JSON text of a list of strings; the output is exactly one of them.
+    Only the shape is checked here; whether the grammar engine can honor the spec is checked when it is compiled
+    against the model's tokenizer (the replica's edge), which names the unsupported feature.
+    """
+
+    kind: StructuredKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise _fail("structured.kind", f"one of {', '.join(STRUCTURED_KINDS)}", self.kind)
+        if not isinstance(self.spec, str):
+            raise _fail("structured.spec", "a string", self.spec)
+        if self.kind in ("regex", "grammar") and not self.spec:
+            raise _fail("structured.spec", f"a non-empty {self.kind}", self.spec)
+        if self.kind in ("json_schema", "choice"):
+            try:
+                value = json.loads(self.spec)
+            except ValueError as e:
+                raise SamplingParamsError("structured.spec", f"{self.kind} spec is not valid JSON: {e}") from None
+            if self.kind == "json_schema" and not isinstance(value, dict | bool):
+                raise _fail("structured.spec", "a JSON Schema (an object or a boolean)", value)
+            if self.kind == "choice" and (not isinstance(value, list) or not value
+                                          or not all(isinstance(c, str) and c for c in value)):
+                raise _fail("structured.spec", "a non-empty JSON list of non-empty strings", value)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each next token of one request, and when to stop.
@@ -60,6 +102,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()  # normalized to tuple[int, ...]
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives to return besides the sampled token's own logprob
+    structured: StructuredOutput | None = None  # constrain the output to a schema / regex / grammar / choice
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalized values are written once, here
@@ -129,6 +172,9 @@ class SamplingParams:
             if not 0 <= logprobs <= MAX_LOGPROBS:
                 raise _fail("logprobs", f"in [0, {MAX_LOGPROBS}] (or null)", self.logprobs)
             set_(self, "logprobs", logprobs)
+
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise _fail("structured", "a StructuredOutput (or null)", self.structured)
 
     @property
     def greedy(self) -> bool:
