@@ -146,7 +146,7 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, lora_name: str | None = None,
-                       cache_salt: str | None = None,
+                       cache_salt: str | None = None, share_prefill_with: str | None = None,
                        interval: float | Callable[[], float] = 0.0) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes. Leaving the loop early aborts it.
 
@@ -154,6 +154,8 @@ class AsyncEngine:
         an `interval` (seconds; or a function giving it, asked after each output, so it can follow the load),
         the outputs after the first with text come at most about that often (at the first step past it), each
         merging the steps since the last; the one that finishes the request comes at once.
+        `share_prefill_with`: a sibling's request id (LLMEngine.add_request); commands run in the order sent, so
+        a sibling whose generate started first was added first.
         """
         if self._error is not None:
             raise EngineDeadError(f"the engine stopped: {self._error}")
@@ -163,7 +165,7 @@ class AsyncEngine:
         if self._error is not None:  # it crashed after the check above, and failed only the streams it saw
             self._streams.pop(request_id, None)
             raise EngineDeadError(f"the engine stopped: {self._error}")
-        self._send("add", (request_id, prompt, params or SamplingParams(), lora_name, cache_salt))
+        self._send("add", (request_id, prompt, params or SamplingParams(), lora_name, cache_salt, share_prefill_with))
         finished = False
         # Nothing is held until some text went out: a first token may be part of a UTF-8 character, with no text.
         shown = False
@@ -217,9 +219,10 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                request_id, prompt, params, lora_name, cache_salt = payload
+                request_id, prompt, params, lora_name, cache_salt, share_prefill_with = payload
                 try:
-                    self.engine.add_request(request_id, prompt, params, lora_name=lora_name, cache_salt=cache_salt)
+                    self.engine.add_request(request_id, prompt, params, lora_name=lora_name, cache_salt=cache_salt,
+                                            share_prefill_with=share_prefill_with)
                 except Exception as e:  # a request the engine cannot take fails alone
                     if not isinstance(e, ValueError | TypeError):
                         log.exception("request %s could not be added", request_id)

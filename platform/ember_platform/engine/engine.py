@@ -266,7 +266,11 @@ class LLMEngine:
         return min(self.max_model_len, self.kv.num_blocks * self.block_size)
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                    lora_name: str | None = None, cache_salt: str | None = None) -> Request:
+                    lora_name: str | None = None, cache_salt: str | None = None,
+                    share_prefill_with: str | None = None) -> Request:
+        """Queue a request. `share_prefill_with`: the id of a sibling added before with the same prompt, adapter and
+        salt (another of n choices); this one then waits for that one's prefill and reads the prompt's full blocks
+        from the prefix cache. Ignored when the sibling is gone, the prompt differs or fills no whole block."""
         params = params or SamplingParams()
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -285,18 +289,30 @@ class LLMEngine:
         outside = [i for i in params.stop_token_ids if i >= self.vocab_size]
         if outside:  # the sampler indexes the vocabulary with them (to hold them back until min_tokens)
             raise ValueError(f"stop_token_ids: token ids must be in [0, {self.vocab_size}), got {outside[0]}")
+        biased = [token_id for token_id, _ in params.logit_bias or () if token_id >= self.vocab_size]
+        if biased:  # the sampler scatters the biases into the vocabulary
+            raise ValueError(f"logit_bias: token ids must be in [0, {self.vocab_size}), got {biased[0]}")
         if lora_name is not None and (self.lora is None or lora_name not in self.lora.specs):
             raise UnknownLoRAError(lora_name, self.lora_names)
         if params.structured is not None:  # refused, never ignored, until the grammar matcher is wired in
             raise ValueError("structured: structured outputs are not supported by this engine yet")
         if self.sleeping:  # a request is what wakes a sleeping engine
             self.wake()
-        req = Request(request_id, ids, params, next(self._arrivals), lora_name=lora_name, cache_salt=cache_salt)
+        req = Request(request_id, ids, params, next(self._arrivals), lora_name=lora_name, cache_salt=cache_salt,
+                      prefill_leader=self._prefill_leader(share_prefill_with, ids, lora_name, cache_salt))
         stop = StopStringMatcher(params.stop) if params.stop else None
         self._states[request_id] = RequestState(IncrementalDetokenizer(self.tokenizer, ids), stop,
                                                  make_generator(params.seed, self.device))
         self.scheduler.add(req)
         return req
+
+    def _prefill_leader(self, request_id: str | None, ids: list[int], lora_name: str | None,
+                        cache_salt: str | None) -> Request | None:
+        leader = self.scheduler.requests.get(request_id) if request_id is not None else None
+        if (leader is None or not self.kv.enable_prefix_caching or (len(ids) - 1) // self.block_size < 1
+                or leader.prompt_token_ids != ids or (leader.lora_name, leader.cache_salt) != (lora_name, cache_salt)):
+            return None  # nothing to share: no cache, no whole block, or not the same prompt after all
+        return leader
 
     def abort(self, request_id: str) -> bool:
         """Drop a request (its client went away); its KV blocks are freed at once."""
@@ -524,6 +540,8 @@ class LLMEngine:
             "kv_blocks_total": self.kv.num_blocks,
             "kv_blocks_free": self.kv.num_free_blocks,
             "prefix_cache_hit_rate": self.kv.prefix_hit_rate,
+            "prefix_cache_queried_tokens": self.kv.num_prefix_queries,  # admitted requests' tokens looked up
+            "prefix_cache_hit_tokens": self.kv.num_prefix_hits,  # of those, found cached (not computed)
             "generated_tokens": self.num_generated_tokens,
             "spec_draft_tokens": self.num_draft_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,

@@ -32,11 +32,12 @@ class Request:
 
     __slots__ = ("_extra", "arrival", "block_hashes", "block_ids", "cache_salt", "finish_reason",
                  "lora_name", "num_cached_tokens", "num_computed_tokens", "num_preemptions",
-                 "output_token_ids", "params", "prompt_token_ids", "request_id", "spec_token_ids", "status",
-                 "stop_reason")
+                 "output_token_ids", "params", "prefill_leader", "prompt_token_ids", "request_id", "spec_token_ids",
+                 "status", "stop_reason")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
-                 *, lora_name: str | None = None, cache_salt: str | None = None) -> None:
+                 *, lora_name: str | None = None, cache_salt: str | None = None,
+                 prefill_leader: Request | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -54,6 +55,9 @@ class Request:
         self.spec_token_ids: list[int] = []  # proposed by a speculator, verified next step
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # A sibling (same prompt, adapter and salt: one of a request's n choices) whose prefill this one waits for,
+        # so that it reads the prompt's full blocks from the prefix cache instead of computing them again.
+        self.prefill_leader = prefill_leader
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -70,6 +74,17 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def waits_for_prefill(self) -> bool:
+        """Whether its leader is still computing the prompt (then scheduling this one would compute it twice)."""
+        leader = self.prefill_leader
+        if leader is None:
+            return False
+        if leader.status.finished or leader.num_computed_tokens >= leader.num_prompt_tokens:
+            self.prefill_leader = None  # done waiting: let the leader's state go
+            return False
+        return True
 
     def token_at(self, i: int) -> int:
         n = len(self.prompt_token_ids)

@@ -4,8 +4,8 @@ Rows of a `SamplingBatch` are rows of the logits. A request normally owns one ro
 are verified it owns 1 + K consecutive rows (`draft_ids`), one per position, which share its params and its
 generator, and consume that generator in position order.
 
-Order of processing, as in Hugging Face `generate`: suppressed ids -> repetition penalty -> presence and
-frequency penalties -> temperature -> top-k -> top-p -> min-p. Greedy rows take the argmax after penalties
+Order of processing, as in Hugging Face `generate`: suppressed ids -> logit bias -> repetition penalty -> presence
+and frequency penalties -> temperature -> top-k -> top-p -> min-p. Greedy rows take the argmax after penalties
 (the later steps never change it) and consume no randomness.
 
 Logprobs are those of the raw model distribution (log_softmax of the unprocessed logits), as OpenAI and
@@ -72,6 +72,8 @@ class SamplingBatch:
     output_ids: torch.Tensor | None  # [B, Lo] padded with vocab_size; rows without penalties empty
     draft_prefix_ids: torch.Tensor | None  # [N, K]: row of position j holds the request's drafts[:j]
     suppressed_ids: torch.Tensor | None  # [B, Ls] padded with vocab_size
+    logit_bias_ids: torch.Tensor | None  # [B, Lb] token ids each request biases, padded with vocab_size
+    logit_bias_values: torch.Tensor | None  # [B, Lb] float32 biases, 0 in the padding
     row_index: torch.Tensor | None  # [N] request of each row; None when each request owns one row
     seeded_random_rows: tuple[int, ...]  # non-greedy rows with their own generator
     any_shared_random: bool  # some non-greedy row draws from the shared generator
@@ -156,6 +158,13 @@ class SamplingBatch:
         seeded_random = tuple(i for i, (g, gen) in enumerate(zip(greedy, row_generators, strict=True))
                               if not g and gen is not None)
         num_logprobs = [p.logprobs for p in row_params if p.logprobs is not None]
+        biases = [p.logit_bias or () for p in params]
+        bias_ids = bias_values = None
+        if any(biases):
+            width = max(len(b) for b in biases)
+            bias_ids = pad_token_ids([[token_id for token_id, _ in b] for b in biases], vocab_size, device)
+            bias_values = _to_device(torch.tensor([[v for _, v in b] + [0.0] * (width - len(b)) for b in biases],
+                                                  dtype=torch.float32), device)
         return cls(
             params=row_params,
             generators=row_generators,
@@ -173,6 +182,8 @@ class SamplingBatch:
             draft_prefix_ids=draft_prefix,
             suppressed_ids=(pad_token_ids([sorted(s) for s in suppressed_ids], vocab_size, device)
                             if suppressed_ids is not None and any(suppressed_ids) else None),
+            logit_bias_ids=bias_ids,
+            logit_bias_values=bias_values,
             row_index=column(rows, torch.long) if draft_ids is not None else None,
             seeded_random_rows=seeded_random,
             any_shared_random=any(not g and gen is None for g, gen in zip(greedy, row_generators, strict=True)),
@@ -302,6 +313,10 @@ class Sampler:
         vocab_size = x.shape[-1]
         if batch.suppressed_ids is not None:
             x.masked_fill_(_per_row(_id_mask(batch.suppressed_ids, vocab_size), batch), _NEG_INF)
+        if batch.logit_bias_ids is not None and batch.logit_bias_values is not None:
+            bias = torch.zeros(batch.logit_bias_ids.shape[0], vocab_size + 1, dtype=torch.float32, device=x.device)
+            bias.scatter_add_(1, batch.logit_bias_ids, batch.logit_bias_values)  # the padding lands in the spare column
+            x += _per_row(bias[:, :vocab_size], batch)
         x = self._apply_penalties(x, batch)
         if batch.all_greedy:
             return x  # nothing below moves the argmax

@@ -8,11 +8,15 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 MAX_LOGPROBS = 20
+# OpenAI's limits on logit_bias: at most this many token ids, each biased by at most this much either way
+# (+-100 is meant to force or ban a token outright).
+MAX_LOGIT_BIAS_TOKENS = 300
+MAX_LOGIT_BIAS = 100.0
 # Below this a temperature counts as 0 (greedy): dividing logits by it would overflow float32.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -81,6 +85,30 @@ class StructuredOutput:
                 raise _fail("structured.spec", "a non-empty JSON list of non-empty strings", value)
 
 
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...] | None:
+    if value is None:
+        return None
+    pairs = list(value.items()) if isinstance(value, Mapping) else value
+    if isinstance(pairs, str) or not isinstance(pairs, Sequence):
+        raise _fail("logit_bias", "a map of token id to bias", value)
+    bias: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            raise _fail("logit_bias", "a map of token id to bias", value)
+        token_id = _integer("logit_bias", pair[0], ">= 0 as a key")
+        if token_id < 0:
+            raise _fail("logit_bias", "keyed by token ids >= 0", pair[0])
+        amount = _real("logit_bias", pair[1], f"in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if not -MAX_LOGIT_BIAS <= amount <= MAX_LOGIT_BIAS:
+            raise SamplingParamsError("logit_bias", f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
+                                                    f"{MAX_LOGIT_BIAS:g}], got {pair[1]!r} for token {token_id}")
+        bias[token_id] = amount
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise SamplingParamsError("logit_bias", f"logit_bias may name at most {MAX_LOGIT_BIAS_TOKENS} tokens, "
+                                                f"got {len(bias)}")
+    return tuple(sorted(bias.items())) or None
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each next token of one request, and when to stop.
@@ -103,6 +131,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives to return besides the sampled token's own logprob
     structured: StructuredOutput | None = None  # constrain the output to a schema / regex / grammar / choice
+    # Added to the logits of these token ids before sampling; normalized to a tuple of (id, bias) sorted by id.
+    logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalized values are written once, here
@@ -175,6 +205,8 @@ class SamplingParams:
 
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise _fail("structured", "a StructuredOutput (or null)", self.structured)
+
+        set_(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:

@@ -8,6 +8,10 @@ then waiting requests, first come first served, chunked to what is left of the b
 When blocks run out, the newest running request is preempted (its blocks freed, to be
 recomputed later); being newest-first and FCFS, the oldest request always progresses.
 
+Siblings (the n choices of one prompt) share one prefill: a request with a `prefill_leader` waits until the leader
+has computed the prompt, then finds its full blocks in the prefix cache and computes only the last partial block.
+Other requests go ahead meanwhile.
+
 A request for a LoRA adapter is admitted only once its adapter holds a device slot (`LoRASlots.acquire`).
 Running requests pin their adapters. When no slot can be had, that request waits and so does every later
 request for an adapter (they would keep the slots busy and starve it); requests without one go ahead.
@@ -135,8 +139,12 @@ class Scheduler:
         in_use = {r.lora_name for r in self.running if r.lora_name}
         lora_blocked: list[Request] = []  # skipped for want of an adapter slot, in queue order
         loading: list[Request] = []  # skipped while their prefix is read from a lower KV tier
+        held: list[Request] = []  # skipped while a sibling computes their shared prompt
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.waits_for_prefill:
+                held.append(self.waiting.popleft())
+                continue
             if req.lora_name is not None and self.lora is not None \
                     and not self._acquire_lora(req, in_use, lora_blocked, batch):
                 continue
@@ -166,7 +174,7 @@ class Scheduler:
             if req.lora_name is not None:
                 in_use.add(req.lora_name)
         # Back to the front, in arrival order: first come, first served once their adapter or prefix is there.
-        self.waiting.extendleft(sorted(lora_blocked + loading, key=lambda r: r.arrival, reverse=True))
+        self.waiting.extendleft(sorted(lora_blocked + loading + held, key=lambda r: r.arrival, reverse=True))
         self.num_loading = len(loading)
         return batch
 

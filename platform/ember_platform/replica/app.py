@@ -74,7 +74,8 @@ RETRY_AFTER_SECONDS = 1.0
 WARMUP_PROMPT = "Hello"
 WARMUP_TOKENS = 2
 # Engine counters the warm-up moves; /metrics reports requests' tokens only.
-_WARMUP_COUNTERS = ("generated_tokens", "spec_draft_tokens", "spec_accepted_tokens")
+_WARMUP_COUNTERS = ("generated_tokens", "spec_draft_tokens", "spec_accepted_tokens", "prefix_cache_queried_tokens",
+                    "prefix_cache_hit_tokens")
 # Each SSE event costs the replica's event loop, the gateway and the client together about a millisecond of CPU
 # (bench/bench_gateway.py: ~0.3 ms replica, ~0.4 ms gateway, ~0.5 ms openai client), as much as a small model
 # spends per token on a CPU; and the event loop takes the GIL from the engine's step thread to do it. So the

@@ -54,6 +54,11 @@ class _EngineCollector(Collector):
             ("ember_spec_draft_tokens", "Speculative draft tokens proposed.", stats.get("spec_draft_tokens", 0)),
             ("ember_spec_accepted_tokens", "Speculative draft tokens the target model accepted.",
              stats.get("spec_accepted_tokens", 0)),
+            ("ember_prefix_cache_queried_tokens", "Tokens of admitted requests looked up in the prefix cache.",
+             stats.get("prefix_cache_queried_tokens", 0)),
+            ("ember_prefix_cache_hit_tokens", "Looked-up tokens found in the prefix cache, not computed (n choices "
+             "of one prompt hit it for the prompt their first choice computed).",
+             stats.get("prefix_cache_hit_tokens", 0)),
         ]
         for name, documentation, value in counters:
             yield CounterMetricFamily(name, documentation, value=value)
