@@ -18,7 +18,8 @@ import uvicorn
 
 from ember.errors import EmberError
 from ember.launch import LaunchSettings
-from ember.registry import BlobCache, open_registry, push_package, short_digest
+from ember.package.scaffold import is_plain_checkpoint, package_for_checkpoint
+from ember.registry import BlobCache, PushResult, Registry, VersionConflict, open_registry, push_package, short_digest
 from ember_platform.control.home import serve_home
 from ember_platform.control.launchers import DEFAULT_LAUNCHER, build_launcher
 from ember_platform.control.plane import ControlPlane
@@ -109,12 +110,32 @@ def _routing(redis_url: str | None, say: Callable[[str], None],
                                   replica_secret=replica_secret)
 
 
+def _push(package_dir: Path, registry: Registry, home: Path, dev: bool, say: Callable[[str], None]) -> PushResult:
+    """Push one PACKAGE_DIR argument of `ember serve`; a broken package fails here, before anything listens."""
+    source = Path(package_dir)
+    if is_plain_checkpoint(source):
+        package_dir = package_for_checkpoint(source, home / "checkpoints")
+        say(f"{source} is a Hugging Face checkpoint without an ember.toml: serving it with a generated manifest "
+            f"({package_dir / 'ember.toml'}); to choose its settings, `ember init PACKAGE_DIR --from {source}`")
+        dev = True  # the generated manifest's version says nothing about the checkpoint's content
+    try:
+        pushed = push_package(package_dir, registry, dev=dev)
+    except VersionConflict as e:
+        raise e.with_remedy(f"or serve the working copy as it is: `ember serve --dev {source}` (a version "
+                            f"derived from its content, e.g. {e.reference.partition(':')[2]}+dev.<digest>)") from None
+    say(f"pushed {pushed.lock.reference} ({short_digest(pushed.lock.digest)}) to {registry.url}")
+    return pushed
+
+
 def serve(package_dirs: Sequence[Path] = (), *, host: str = "127.0.0.1", port: int = 8000,
           registry_url: str | None = None, endpoint_url: str | None = None, no_auth: bool = False,
           redis_url: str | None = None, log_level: str = "info", say: Callable[[str], None] | None = None,
-          launcher: str = DEFAULT_LAUNCHER, launcher_options: Mapping[str, str] | None = None) -> int:
+          launcher: str = DEFAULT_LAUNCHER, launcher_options: Mapping[str, str] | None = None,
+          dev: bool = False) -> int:
     """Build and push each package dir, then serve until interrupted, deploying them once the gateway listens.
-    `launcher`: the installed launcher plugin that runs the replicas, built with `launcher_options`.
+    `launcher`: the installed launcher plugin that runs the replicas, built with `launcher_options`. `dev`: push
+    each package under a version derived from its content (`dev_version`), so a working copy serves as it is. A
+    plain Hugging Face checkpoint dir is served through a package generated for it (as `ember init` makes one).
 
     Prints `EMBER_SERVE_READY http://HOST:PORT` when every package's replicas are ready. Returns the exit code.
     """
@@ -132,11 +153,7 @@ def serve(package_dirs: Sequence[Path] = (), *, host: str = "127.0.0.1", port: i
     replica_launcher = build_launcher(launcher, LaunchSettings(home=home, redis_url=redis_url,
                                                                options=dict(launcher_options or {})))
     registry = open_registry(registry_url, endpoint_url)
-    references = []
-    for package_dir in package_dirs:  # a broken package fails here, before anything listens
-        pushed = push_package(package_dir, registry)
-        references.append(pushed.lock.reference)
-        say(f"pushed {pushed.lock.reference} ({short_digest(pushed.lock.digest)}) to {registry.url}")
+    references = [_push(package_dir, registry, home, dev, say).lock.reference for package_dir in package_dirs]
     authenticator = _authenticator(home, no_auth, host, say)
     sock = bind(host, port)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"

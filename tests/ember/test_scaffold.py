@@ -46,10 +46,10 @@ def leftovers(parent: Path) -> list[str]:
 
 def test_scaffold_from_transformers_checkpoint_loads_and_builds(llama_dir: Path, tmp_path: Path) -> None:
     config = json.loads((llama_dir / "config.json").read_text())
-    pkg = init_package(tmp_path / "pkg", llama_dir)
+    pkg = init_package(tmp_path / "my-model", llama_dir)
 
     manifest = load_manifest(pkg)
-    assert manifest.model.name == "tiny-llama_chat"
+    assert manifest.model.name == "my-model"  # named after the package directory, not the checkpoint's
     assert manifest.model.version == "0.1.0"
     assert manifest.model.weights == "weights"
     assert "LlamaForCausalLM" in manifest.model.description
@@ -133,6 +133,12 @@ def test_name_of_a_hugging_face_cache_snapshot_is_the_repository(tmp_path: Path)
     snapshot = tmp_path / "models--meta-llama--Llama-3.2-1B" / "snapshots" / ("a" * 40)
     assert checkpoint_name(snapshot) == "Llama-3.2-1B"
     assert checkpoint_name(tmp_path / "plain") == "plain"
+
+
+def test_the_checkpoint_names_the_package_only_when_the_directory_cannot(tmp_path: Path) -> None:
+    hf = fake_checkpoint(tmp_path / "Llama-Tiny")
+    assert load_manifest(init_package(tmp_path / "My Package", hf)).model.name == "my-package"
+    assert load_manifest(init_package(tmp_path / "___", hf)).model.name == "llama-tiny"
 
 
 def test_unusable_name_is_refused(tmp_path: Path) -> None:

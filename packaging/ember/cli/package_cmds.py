@@ -16,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("dir", type=Path, metavar="DIR", help="package directory to create (must not exist or be empty)")
     p.add_argument("--from", dest="hf_dir", type=Path, required=True, metavar="HF_CHECKPOINT_DIR",
                    help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files)")
-    p.add_argument("--name", help="package name (default: derived from the checkpoint directory's name)")
+    p.add_argument("--name", help="package name (default: DIR's name)")
     p.add_argument("--version", default="0.1.0", help="package version (default: 0.1.0)")
     p.add_argument("--link", action="store_true", help="hardlink weight files instead of copying them")
     p.set_defaults(func=cmd_init)

@@ -31,7 +31,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                        "the registry and deployed; more can be deployed later with `ember deploy`. Ctrl-C drains "
                        "the replicas and exits. State (API keys, pulled packages, replica logs) lives in "
                        "$EMBER_HOME/serve (default ~/.ember/serve).")
-    p.add_argument("dirs", nargs="*", type=Path, metavar="PACKAGE_DIR", help="package directories to deploy")
+    p.add_argument("dirs", nargs="*", type=Path, metavar="PACKAGE_DIR", help="package directories to deploy (a "
+                   "plain Hugging Face checkpoint directory is served with a generated manifest)")
+    p.add_argument("--dev", action="store_true", help="serve the package directories as they are now, each under a "
+                   "version derived from its content (e.g. 0.1.0+dev.1a2b3c4d5e6f), so that an edit needs no "
+                   "version bump")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000; 0 picks a free one)")
     p.add_argument("--registry", metavar="URL", help=REGISTRY_HELP)
@@ -95,7 +99,12 @@ def _gateway_option(p: argparse.ArgumentParser) -> None:
 
 
 def _gateway(args: argparse.Namespace) -> str:
-    return (args.gateway or os.environ.get(GATEWAY_ENV) or DEFAULT_GATEWAY).rstrip("/")
+    """The gateway's base URL. `127.0.0.1:8000` (as `ember serve` prints its address) means http://127.0.0.1:8000:
+    without a scheme httpx would take the host for one and fail with "unreachable"."""
+    url = (args.gateway or os.environ.get(GATEWAY_ENV) or DEFAULT_GATEWAY).strip().rstrip("/")
+    if "://" not in url:
+        url = f"http://{url}"
+    return url
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -103,7 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args.dirs, host=args.host, port=args.port, registry_url=args.registry,
                  endpoint_url=args.endpoint_url, no_auth=args.no_auth, redis_url=args.redis_url,
                  log_level=args.log_level, say=lambda line: err_console.print(line, markup=False),
-                 launcher=args.launcher, launcher_options=dict(args.launcher_option))
+                 launcher=args.launcher, launcher_options=dict(args.launcher_option), dev=args.dev)
 
 
 def platform_command(name: str) -> Any:
@@ -170,8 +179,9 @@ def cmd_call(args: argparse.Namespace) -> int:
     import openai
 
     gateway = _gateway(args)
-    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key=args.api_key or os.environ.get(API_KEY_ENV) or "none",
-                           max_retries=0, timeout=600.0)
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    # The client insists on a key; "none" gets a gateway without auth (--no-auth) through, and a 401 is explained.
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key=key or "none", max_retries=0, timeout=600.0)
     extra: dict[str, Any] = {}
     if args.temperature is not None:
         extra["temperature"] = args.temperature
@@ -190,6 +200,11 @@ def cmd_call(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     except openai.APIConnectionError:
         raise EmberError(f"cannot reach the gateway at {gateway}; is `ember serve` running?") from None
+    except openai.AuthenticationError as e:
+        if not key:
+            raise EmberError(f"the gateway at {gateway} requires an API key and none was given: pass --api-key KEY "
+                             f"or set ${API_KEY_ENV} (`ember keys create` makes one)") from None
+        raise EmberError(f"{e.status_code}: {_error_message(e.response)}") from None
     except openai.APIStatusError as e:
         raise EmberError(f"{e.status_code}: {_error_message(e.response)}") from None
     sys.stdout.write("\n")

@@ -7,6 +7,7 @@ that the scaffold never falls behind it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -45,8 +46,8 @@ def init_package(target: Path, hf_dir: Path, *, name: str | None = None, version
                  link: bool = False) -> Path:
     """Scaffold an Ember package at `target` from the Hugging Face checkpoint in `hf_dir`.
 
-    `target` must not exist or be an empty directory. The package name is `name`, or the checkpoint
-    directory's name, made to fit the manifest's name rules. With `link`, weights are hardlinked
+    `target` must not exist or be an empty directory. The package name is `name`, or `target`'s own name (the
+    checkpoint's where that makes no name), made to fit the manifest's name rules. With `link`, weights are hardlinked
     instead of copied where the filesystem allows. Everything is built in a temporary directory
     beside `target` and renamed into place at the end, so a failure leaves nothing at `target`.
     Returns `target`.
@@ -60,9 +61,11 @@ def init_package(target: Path, hf_dir: Path, *, name: str | None = None, version
         raise PackageError(f"{hf_dir}: no *.safetensors file; Ember loads safetensors weights only "
                            "(save the model with transformers' save_pretrained to get them)")
 
-    slug = slugify(name if name is not None else checkpoint_name(hf_dir))
+    # The package is named after the directory the user asked for (`ember init my-model --from ...` makes
+    # my-model), the checkpoint's name only when that directory's name makes no name (`ember init . --from`).
+    slug = slugify(name) if name is not None else (slugify(target.name) or slugify(checkpoint_name(hf_dir)))
     if not slug:
-        raise PackageError(f"cannot make a package name from {name or hf_dir.name!r}: pass a name made of "
+        raise PackageError(f"cannot make a package name from {name or target.name!r}: pass a name made of "
                            "lowercase letters, digits, '.', '_' or '-'")
     values = manifest_values(config, name=slug, version=version, source=hf_dir)
     # Validate before anything is written, naming the file the user will look for.
@@ -88,6 +91,22 @@ def init_package(target: Path, hf_dir: Path, *, name: str | None = None, version
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def is_plain_checkpoint(path: Path) -> bool:
+    """A Hugging Face checkpoint directory that is not (yet) an Ember package."""
+    return not (path / MANIFEST_NAME).exists() and (path / "config.json").is_file()
+
+
+def package_for_checkpoint(hf_dir: Path, workspace: Path) -> Path:
+    """An Ember package generated from a plain checkpoint, as `ember init` would make it (weights hardlinked where
+    the filesystem allows), in `workspace`: what `ember serve HF_DIR` serves. Made anew each time, so it follows the
+    checkpoint; one directory per checkpoint path, so two checkpoints of one name do not collide."""
+    hf_dir = Path(hf_dir).resolve()
+    name = slugify(checkpoint_name(hf_dir)) or "model"
+    target = Path(workspace) / f"{name}-{hashlib.sha256(str(hf_dir).encode()).hexdigest()[:8]}"
+    shutil.rmtree(target, ignore_errors=True)
+    return init_package(target, hf_dir, name=name, link=True)
 
 
 def checkpoint_files(hf_dir: Path) -> list[str]:

@@ -64,14 +64,36 @@ class PackageInfo:
     problem: str | None = None
 
 
+class VersionConflict(RegistryError):
+    """A push of a version the registry holds with other content. `remedy` is how the caller's user gets past it
+    (`ember push` has --force, `ember serve` has --dev)."""
+
+    def __init__(self, reference: str, registry_url: str, had: str, built: str, manifest: Path,
+                 remedy: str = "or --force") -> None:
+        self.reference, self.registry_url, self.had, self.built, self.manifest = (
+            reference, registry_url, had, built, manifest)
+        super().__init__(f"{reference} is already in {registry_url} with different content ({had}, this build is "
+                         f"{built}); versions are immutable: bump [model] version in {manifest}, {remedy}")
+
+    def with_remedy(self, remedy: str) -> VersionConflict:
+        return VersionConflict(self.reference, self.registry_url, self.had, self.built, self.manifest, remedy)
+
+
+def dev_version(lock: Lock) -> str:
+    """The version of a working copy served as it is: [model] version plus its content digest as a PEP 440 local
+    version (`0.1.0+dev.1a2b3c4d5e6f`), so every edit is a new version and the same files are the same one."""
+    return f"{lock.version}+dev.{lock.digest.removeprefix('sha256:')[:12]}"
+
+
 def push_package(root: str | Path, registry: Registry, *, force: bool = False,
-                 version: str | None = None) -> PushResult:
+                 version: str | None = None, dev: bool = False) -> PushResult:
     """Build `root` (validating it and writing ember.lock), upload the blobs the registry lacks,
     then publish the index. Versions are immutable unless `force`.
 
     `version` publishes under another version than [model] version, like tagging an image: a
     version is registry metadata (the package digest covers files only), so releasing an edit of
-    hooks.py as a new version uploads that one file and the index.
+    hooks.py as a new version uploads that one file and the index. `dev` publishes under the
+    content-derived `dev_version`.
     """
     from pydantic import ValidationError
 
@@ -80,6 +102,8 @@ def push_package(root: str | Path, registry: Registry, *, force: bool = False,
 
     root = Path(root)
     lock = build_package(root, PluginHost.for_package(root))
+    if dev:
+        version = dev_version(lock)
     if version is not None and version != lock.version:
         try:
             ModelSection.model_validate({"name": lock.name, "version": version, "weights": "."})
@@ -98,10 +122,7 @@ def push_package(root: str | Path, registry: Registry, *, force: bool = False,
             return PushResult(lock, registry.url, {}, len(lock.blobs()), already_pushed=True)
         if not force:
             had = short_digest(old_digest) if old_digest else "an unreadable index"
-            raise RegistryError(
-                f"{lock.reference} is already in {registry.url} with different content ({had}, this "
-                f"build is {short_digest(lock.digest)}); versions are immutable: bump [model] version "
-                f"in {root / 'ember.toml'}, or --force")
+            raise VersionConflict(lock.reference, registry.url, had, short_digest(lock.digest), root / "ember.toml")
 
     blobs = lock.blobs()
     source = {f.sha256: root / f.path for f in lock.files}

@@ -262,6 +262,17 @@ def test_ember_call_streams_an_answer(served: Served) -> None:
     assert refused.returncode == 1 and "401" in refused.stderr and "Traceback" not in refused.stderr
 
 
+def test_ember_call_takes_the_address_serve_prints_and_says_when_no_key_was_given(served: Served) -> None:
+    address = served.url.removeprefix("http://")  # 127.0.0.1:PORT, as a newcomer copies it
+    done = ember("call", MODEL, "Hello", "--gateway", address, "--api-key", served.api_key, "--max-tokens", "2",
+                 env=served.env)
+    assert done.returncode == 0, done.stderr
+    env = {k: v for k, v in served.env.items() if k != "EMBER_API_KEY"}
+    no_key = ember("call", MODEL, "Hello", "--gateway", address, env=env)
+    assert no_key.returncode == 1 and "Traceback" not in no_key.stderr
+    assert "requires an API key and none was given" in no_key.stderr and "EMBER_API_KEY" in no_key.stderr
+
+
 # --- replicas: scale, disconnects, drains -------------------------------------------------------------------
 
 

@@ -45,7 +45,7 @@ class RedisServer:
 
     def __init__(self, workdir: Path, port: int | None = None) -> None:
         if REDIS_SERVER is None:
-            pytest.skip("redis-server is not installed (apt-get install -y redis-server; scripts/setup-env "
+            pytest.skip("redis-server is not installed (apt-get install -y redis-server; scripts/setup-env --for-tests "
                         "installs it when run as root)")
         self.workdir = workdir
         self.port = port or _free_port()
