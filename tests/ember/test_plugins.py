@@ -93,7 +93,7 @@ def test_unknown_technique_lists_available(use_plugins, make_package) -> None:
     with pytest.raises(PluginError) as info:
         load_package(pkg)
     assert re.search(r"ember\.toml: quantization\.method: no installed plugin provides quantization 'fakq' "
-                     r"\(available: compressed-tensors, fakeq, gptq, int8, auto, none\) — did you mean 'fakeq'\?",
+                     r"\(available: compressed-tensors, fakeq, gptq, int4, int8, auto, none\) — did you mean 'fakeq'\?",
                      str(info.value))
 
 
