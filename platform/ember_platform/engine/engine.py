@@ -39,6 +39,7 @@ from ember_platform.engine.spec_decode import SpecDecoder
 from ember_platform.engine.speculation import Speculator, SpeculatorContext
 from ember_platform.engine.step_plan import BlockTables, StepOutput, StepPlan
 from ember_platform.engine.step_sampler import RequestState, StepSampler
+from ember_platform.engine.structured_output import GrammarCompiler, StructuredOutputError, StructuredRequests
 from ember_platform.engine.text.detokenizer import IncrementalDetokenizer
 from ember_platform.engine.text.stop import StopStringMatcher
 from ember_platform.engine.text.tokenizer import Tokenizer
@@ -141,6 +142,10 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.prefill_tokens_per_s = 0.0  # measured on large steps; 0 until one ran (the router prices tier fetches)
         self.step_sampler = StepSampler(self.sampler, self.tokenizer.eos_token_ids, self._states.__getitem__)
+        # Structured outputs: grammars compiled once per constraint (the replica compiles at its edge, off the step
+        # loop), one matcher per structured request.
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        self.structured = StructuredRequests(self.grammars)
         self._forward_failures = 0  # forward passes failed in a row (see step)
         self.timings["init"] = time.perf_counter() - t0
         if self.kv_tiers is not None and self.kv_tiers.config.seed_prefixes:
@@ -294,8 +299,11 @@ class LLMEngine:
             raise ValueError(f"logit_bias: token ids must be in [0, {self.vocab_size}), got {biased[0]}")
         if lora_name is not None and (self.lora is None or lora_name not in self.lora.specs):
             raise UnknownLoRAError(lora_name, self.lora_names)
-        if params.structured is not None:  # refused, never ignored, until the grammar matcher is wired in
-            raise ValueError("structured: structured outputs are not supported by this engine yet")
+        if params.structured is not None:
+            try:  # a copy of the cached grammar, unless nothing compiled it before (LLM scripts)
+                self.structured.add(request_id, params.structured)
+            except StructuredOutputError as e:
+                raise ValueError(f"structured: {e}") from None
         if self.sleeping:  # a request is what wakes a sleeping engine
             self.wake()
         req = Request(request_id, ids, params, next(self._arrivals), lora_name=lora_name, cache_salt=cache_salt,
@@ -328,6 +336,7 @@ class LLMEngine:
         """Forget a finished request's block-table row and speculation state (pending draft probabilities, the
         speculator's)."""
         self._block_tables.release(request_id)
+        self.structured.release(request_id)
         if self.spec is not None:
             self.spec.release(request_id)
 
@@ -353,6 +362,9 @@ class LLMEngine:
                               return_hidden_states=spec is not None and spec.return_hidden_states,
                               aux_layers=spec.aux_layers if spec is not None else (),
                               block_tables=self._block_tables)
+        sampled = [batch.requests[i] for i in plan.sampled]
+        # The grammar masks of the structured requests are computed while the forward pass runs.
+        masks = self.structured.start_masks(sampled) if len(self.structured) else None
         try:
             result = self.executor.execute(plan)
         except Exception as e:
@@ -364,10 +376,18 @@ class LLMEngine:
             outputs.extend(self._fail(req, "the model's forward pass failed") for req in batch.requests)
             return outputs
         self._forward_failures = 0
-        sampled = [batch.requests[i] for i in plan.sampled]
         draft_probs = spec.take_draft_probs(sampled) if spec is not None else [None] * len(sampled)
+        logits, grammar_failed = result.logits, False
+        try:
+            logits = self.structured.apply(masks, logits, plan.num_sample_rows)
+        except Exception:
+            log.exception("computing the grammar masks failed; the step's structured requests fail")
+            grammar_failed = True
         # Reads the tokens back: the device is done with the step here.
-        sampled_tokens = self.step_sampler.sample(sampled, plan.num_sample_rows, result.logits, draft_probs)
+        sampled_tokens = self.step_sampler.sample(sampled, plan.num_sample_rows, logits, draft_probs)
+        if grammar_failed:  # their tokens were drawn without their grammar
+            sampled_tokens = [None if r.request_id in self.structured else t
+                              for r, t in zip(sampled, sampled_tokens, strict=True)]
         self._measure_prefill(sum(batch.num_tokens), time.perf_counter() - t0)
         failed = {id(req) for req, tokens in zip(sampled, sampled_tokens, strict=True) if tokens is None}
         for req, n in zip(batch.requests, batch.num_tokens, strict=True):
@@ -435,6 +455,7 @@ class LLMEngine:
         req.spec_token_ids = []
         p = req.params
         eos = self.tokenizer.eos_token_ids
+        structured = req.request_id in self.structured
         accepted: list[int] = []
         status: RequestStatus | None = None
         for tok in new_tokens:
@@ -446,6 +467,8 @@ class LLMEngine:
                     status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
                 elif not p.ignore_eos and tok in eos:
                     status = RequestStatus.FINISHED_STOPPED
+            if status is None and structured and self.structured.accept(req.request_id, tok):
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: only EOS could follow
             if status is None and ((p.max_tokens is not None and n_out >= p.max_tokens)
                                    or req.num_tokens >= self.max_model_len):
                 status = RequestStatus.FINISHED_LENGTH
@@ -528,6 +551,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the executor's workers (processes, process groups); the engine is unusable afterwards."""
         self.executor.shutdown()
+        self.structured.shutdown()
 
     # --- introspection ----------------------------------------------------------------------
 
@@ -545,6 +569,9 @@ class LLMEngine:
             "generated_tokens": self.num_generated_tokens,
             "spec_draft_tokens": self.num_draft_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,
+            "grammars_compiled": self.grammars.num_compiled,
+            "grammar_cache_hits": self.grammars.num_cache_hits,
+            "grammar_masked_rows": self.structured.num_masked_rows,
             "lora_loaded": len(lora.resident) if lora is not None else 0,
             "lora_loads": lora.num_loads if lora is not None else 0,
             "lora_evictions": lora.num_evictions if lora is not None else 0,

@@ -45,9 +45,10 @@ class SpecDecoder:
                 num_accepted: list[int], num_running: int) -> None:
         """Ask the speculator for the next drafts of this step's requests (`spec_token_ids`, verified next step)."""
         # Large batches are compute-bound: drafts would cost more than they save. Requests that asked for logprobs
-        # get none (verification would need each position's logprobs), nor do those still in their prefill.
+        # get none (verification would need each position's logprobs), nor do those still in their prefill, nor
+        # structured ones (their grammar masks each position: see structured_output.py).
         eligible = [i for i, r in enumerate(batch)
-                    if r.status == RequestStatus.RUNNING and r.params.logprobs is None
+                    if r.status == RequestStatus.RUNNING and r.params.logprobs is None and r.params.structured is None
                     and r.num_computed_tokens == r.num_tokens - 1] if num_running <= self.max_batch_size else []
         inputs = SpeculatorInputs(
             batch=list(batch), propose_for=eligible, num_speculative_tokens=self.k, token_ids=plan.input_ids,

@@ -38,6 +38,7 @@ from ember_platform.gateway.errors import (
     unsupported,
 )
 from ember_platform.gateway.request_body import check_text
+from ember_platform.gateway.structured_outputs import ConstraintFields
 
 MAX_STOP_SEQUENCES = 4
 MAX_PROMPTS_ENV = "EMBER_MAX_PROMPTS"
@@ -180,11 +181,6 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = _CONFIG
-    type: str
-
-
 def parse_model_name(model: str) -> tuple[str, str | None]:
     """`"NAME"` -> (NAME, None); `"NAME:ADAPTER"` -> (NAME, ADAPTER), a LoRA adapter of that model."""
     name, colon, adapter = model.partition(":")
@@ -193,8 +189,9 @@ def parse_model_name(model: str) -> tuple[str, str | None]:
     return name, adapter or None
 
 
-class GenerationRequest(BaseModel):
-    """What both endpoints share: the model, sampling settings (OpenAI's and vLLM's extras), streaming."""
+class GenerationRequest(ConstraintFields):
+    """What both endpoints share: the model, sampling settings (OpenAI's and vLLM's extras), streaming, and the
+    output constraint (response_format and vLLM's structured_outputs / guided_*: see structured_outputs.py)."""
 
     model_config = _CONFIG
     _prompt_param: ClassVar[str]
@@ -209,7 +206,6 @@ class GenerationRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    response_format: ResponseFormat | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -264,9 +260,6 @@ class GenerationRequest(BaseModel):
                                    f"Send {self.n} requests (with different seeds) instead.")
         if self.logit_bias:
             raise unsupported("logit_bias", "logit_bias is not supported by Ember; send it empty or leave it out.")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise unsupported("response_format", f"response_format type '{self.response_format.type}' is not "
-                                                 f"supported: Ember generates free text only (type 'text').")
         if self.stream_options is not None and not self.stream:
             raise invalid_request("stream_options", "stream_options is only allowed when 'stream' is true.")
         parse_model_name(self.model)
@@ -287,6 +280,8 @@ class GenerationRequest(BaseModel):
         kwargs = {name: value for name, value in values.items() if value is not None}
         kwargs["max_tokens"] = requested if requested is not None else self._default_max_tokens(default_max_tokens)
         kwargs["logprobs"] = self.num_logprobs()
+        constraint = self.output_constraint()
+        kwargs["structured"] = constraint.structured if constraint is not None else None
         try:
             return SamplingParams(**kwargs)
         except SamplingParamsError as e:

@@ -56,6 +56,7 @@ from ember_platform.gateway.responses import (
     sse,
     text_completion,
 )
+from ember_platform.gateway.structured_outputs import compile_error
 from ember_platform.replica.auth import ReplicaAuthMiddleware
 from ember_platform.replica.metrics import COLD_START_PHASES, ReplicaMetrics
 
@@ -408,6 +409,24 @@ def _chat_prompt_ids(replica: Replica, body: ChatCompletionRequest) -> list[int]
     return ids
 
 
+async def _compile_constraint(replica: Replica, body: GenerationRequest) -> None:
+    """Compile the request's output constraint against the model's tokenizer here, in a thread: never on the step
+    loop (the engine then finds it cached), and a schema the grammar engine cannot honor is a 400 naming the field."""
+    constraint = body.output_constraint()
+    if constraint is None:
+        return
+    from ember_platform.engine.structured_output import StructuredOutputError
+
+    assert replica.engine is not None
+    grammars = replica.engine.grammars
+    if grammars.is_cached(constraint.structured):
+        return
+    try:
+        await asyncio.to_thread(grammars.compile, constraint.structured)
+    except StructuredOutputError as e:
+        raise compile_error(constraint.param, e.reason) from None
+
+
 async def _until_disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -579,6 +598,7 @@ def create_app(replica: Replica, *, secret: str | None = None) -> Starlette:
         prompt = _chat_prompt_ids(replica, body)
         assert replica.engine is not None
         params = body.sampling_params_for(len(prompt), replica.engine.max_sequence_len, replica.engine.vocab_size)
+        await _compile_constraint(replica, body)
         response_id = new_chat_completion_id()
         if body.stream:
             stream = ChatStream(model=body.model, token_text=replica.token_text, include_usage=body.include_usage,
@@ -597,6 +617,7 @@ def create_app(replica: Replica, *, secret: str | None = None) -> Starlette:
         assert replica.engine is not None
         params = [body.sampling_params_for(len(ids), replica.engine.max_sequence_len, replica.engine.vocab_size)
                   for ids in prompts]
+        await _compile_constraint(replica, body)
         response_id = new_completion_id()
         if body.stream:
             stream = CompletionStream(model=body.model, token_text=replica.token_text,
