@@ -50,6 +50,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 512, --quick 256)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default 256, --quick 64)")
     parser.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: the manifest's)")
+    parser.add_argument("--fixed-length", action="store_true",
+                        help="draft num_speculative_tokens every step (speculator_adaptive=false) instead of the "
+                        "length chosen from measured acceptance and step cost")
     parser.add_argument("--dtype", default=None, help="engine dtype (default: the engine's choice)")
     parser.add_argument("--options", type=json.loads, default=None,
                         help='speculator options as JSON, e.g. \'{"adaptive": false, "min_ngram": 1}\'')
@@ -67,6 +70,8 @@ def main() -> None:
         spec_overrides["num_speculative_tokens"] = args.k
     if args.options:
         spec_overrides["speculator_options"] = args.options
+    if args.fixed_length:
+        spec_overrides["speculator_adaptive"] = False
     plain = LLM(args.model, **common_overrides).engine
     spec = LLM(args.model, **common_overrides, **spec_overrides).engine
     sources = args.sources.split(",")

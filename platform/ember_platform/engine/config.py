@@ -21,6 +21,7 @@ _OVERRIDES: dict[str, tuple[str, str]] = {
     "speculator": ("speculator", "method"),
     "num_speculative_tokens": ("speculator", "num_speculative_tokens"),
     "speculator_max_batch_size": ("speculator", "max_batch_size"),
+    "speculator_adaptive": ("speculator", "adaptive"),
     "speculator_options": ("speculator", "options"),
     "attention": ("kernels", "attention"),
     "attention_options": ("kernels", "options"),

@@ -115,6 +115,7 @@ class LLMEngine:
         self.spec = None if self.speculator is None else SpecDecoder(
             self.speculator, num_speculative_tokens=manifest.speculator.num_speculative_tokens,
             max_batch_size=manifest.speculator.max_batch_size, max_model_len=self.max_model_len,
+            adaptive=manifest.speculator.adaptive,
             num_layers=kv_cache_shape(self.hf_config)[0])
         draft_spec = self.speculator.kv_cache_spec() if self.speculator is not None else None
         num_blocks = engine_only.get("num_kv_blocks") or self._num_kv_blocks(draft_spec)
@@ -388,7 +389,12 @@ class LLMEngine:
         if grammar_failed:  # their tokens were drawn without their grammar
             sampled_tokens = [None if r.request_id in self.structured else t
                               for r, t in zip(sampled, sampled_tokens, strict=True)]
-        self._measure_prefill(sum(batch.num_tokens), time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self._measure_prefill(sum(batch.num_tokens), seconds)
+        if spec is not None:
+            spec.record_step(plan.num_tokens, seconds, [
+                (len(req.spec_token_ids), len(tokens) - 1) for req, tokens in zip(sampled, sampled_tokens, strict=True)
+                if tokens is not None and req.spec_token_ids])
         failed = {id(req) for req, tokens in zip(sampled, sampled_tokens, strict=True) if tokens is None}
         for req, n in zip(batch.requests, batch.num_tokens, strict=True):
             if id(req) in failed:
@@ -572,6 +578,7 @@ class LLMEngine:
             "grammars_compiled": self.grammars.num_compiled,
             "grammar_cache_hits": self.grammars.num_cache_hits,
             "grammar_masked_rows": self.structured.num_masked_rows,
+            **(self.spec.length_stats() if self.spec is not None else {}),
             "lora_loaded": len(lora.resident) if lora is not None else 0,
             "lora_loads": lora.num_loads if lora is not None else 0,
             "lora_evictions": lora.num_evictions if lora is not None else 0,

@@ -45,6 +45,13 @@ class _EngineCollector(Collector):
             ("ember_kv_blocks_total", "KV-cache blocks in the pool.", total),
             ("ember_prefix_cache_hit_rate", "Share of prefix-cache lookups that found a cached block.",
              stats.get("prefix_cache_hit_rate", 0.0)),
+            ("ember_spec_num_speculative_tokens", "Draft tokens per request the speculator was last asked for "
+             "(chosen each step from measured acceptance and step cost; 0 while drafting does not pay).",
+             stats.get("spec_num_speculative_tokens", 0)),
+            ("ember_spec_acceptance_rate", "Share of speculative draft tokens the target accepted.",
+             stats.get("spec_acceptance_rate", 0.0)),
+            ("ember_spec_mean_accepted_length", "Tokens a request got per verifying step (accepted drafts + 1).",
+             stats.get("spec_mean_accepted_length", 0.0)),
         ]
         for name, documentation, value in gauges:
             yield GaugeMetricFamily(name, documentation, value=value)
