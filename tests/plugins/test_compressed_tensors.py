@@ -144,7 +144,8 @@ def test_int8_on_a_prequantized_checkpoint_is_refused(checkpoints: tuple[Path, P
     ({"format": "float-quantized"}, r"not supported yet: compressed-tensors format 'float-quantized'"),
     ({"config_groups.input_activations": {"num_bits": 8, "type": "int"}},
      r"not supported yet: .*input_activations \(activation quantization\)"),
-    ({"weights.num_bits": 4}, r"not supported yet: .*weights.num_bits = 4"),
+    ({"weights.num_bits": 4}, r"not supported yet: compressed-tensors 4-bit weights in format 'int-quantized'"),
+    ({"weights.num_bits": 2}, r"not supported yet: .*weights.num_bits = 2"),
     ({"weights.strategy": "group"}, r"not supported yet: .*weights.strategy = 'group'"),
     ({"kv_cache_scheme": {"num_bits": 8}}, r"not supported yet: compressed-tensors kv_cache_scheme"),
 ])

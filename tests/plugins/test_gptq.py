@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from ember_platform import LLM, SamplingParams
 from ember_platform.engine.calibration import run_prefill
 from ember_plugins.quantization.gptq import GPTQLinearMethod, unpack_columns, unpack_rows
+from ember_plugins.quantization.int4_checkpoints import GPTQInt4Method
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama" / "weights"
 GROUP = 16  # divides both 256 and 688, the example's input sizes
@@ -75,13 +76,18 @@ def test_unpacking_inverts_autogptq_packing() -> None:
     assert unpack_rows(torch.tensor([[0x76543210]], dtype=torch.int32))[:, 0].tolist() == list(range(8))
 
 
-def test_a_gptq_checkpoint_computes_its_dequantized_weights(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kernel", ["reference", "dequant"])
+def test_a_gptq_checkpoint_computes_its_dequantized_weights(tmp_path: Path, kernel: str) -> None:
     quantized, dequantized = write_gptq(tmp_path)
-    llm = LLM(quantized)
+    llm = LLM(quantized, quantization="gptq", quantization_options={"kernel": kernel})
     model = llm.engine.model
     down = model.model.layers[0].mlp.down_proj
-    assert isinstance(down.method, GPTQLinearMethod) and down.qweight.dtype == torch.int32
-    assert down.qweight.numel() * 4 == down.in_features * down.out_features // 2  # half a byte per weight
+    if kernel == "reference":  # kept as stored
+        assert isinstance(down.method, GPTQLinearMethod) and down.qweight.dtype == torch.int32
+        assert down.qweight.numel() * 4 == down.in_features * down.out_features // 2  # half a byte per weight
+    else:  # in the int4 layers (test_int4_checkpoints.py: their native kernel)
+        assert isinstance(down.method, GPTQInt4Method) and down.kernel == "dequant"
+        assert down.int4_packed.numel() == down.in_features * down.out_features // 2
     ids = list(range(200, 260))
     with torch.inference_mode():
         got = model.compute_logits(run_prefill(model, ids))
@@ -95,7 +101,6 @@ def test_a_gptq_checkpoint_computes_its_dequantized_weights(tmp_path: Path) -> N
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"bits": 8}, r"not supported yet: GPTQ quantization_config.bits = 8"),
-    ({"desc_act": True}, r"not supported yet: GPTQ quantization_config.desc_act = True"),
     ({"checkpoint_format": "gptq_v2"}, r"not supported yet: GPTQ quantization_config.checkpoint_format = 'gptq_v2'"),
 ])
 def test_what_is_not_supported_yet_is_refused(tmp_path: Path, change: dict, message: str) -> None:

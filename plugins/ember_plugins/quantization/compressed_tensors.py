@@ -5,8 +5,10 @@ Read from config.json's `quantization_config` (`quant_method: "compressed-tensor
 one scale per output channel (`strategy: "channel"`), stored as `weight` int8 (`format: "int-quantized"`) or
 four to an int32 (`weight_packed` + `weight_shape`, `format: "pack-quantized"`), with `weight_scale` [out, 1].
 Layers in `ignore` (names, or "re:" regular expressions, of the checkpoint's modules) load in full precision.
-Anything else in the format (activation quantization, int4, groups, sparsity, a quantized KV cache) is refused
-with what is not supported yet, rather than loaded wrong.
+4-bit `pack-quantized` weights (strategy "group" or "channel", symmetric or not) load into the int4 kernels
+(`int4_checkpoints.CompressedTensorsInt4Method`). Anything else in the format (activation quantization, int8
+groups, act-order, sparsity, a quantized KV cache) is refused with what is not supported yet, rather than loaded
+wrong.
 """
 
 from __future__ import annotations
@@ -70,6 +72,33 @@ class PackedInt8LinearMethod(Int8LinearMethod):
         super().after_loading(layer)
 
 
+def int4_method(weights: Mapping[str, Any], where: str, fmt: str, options: Mapping[str, Any]) -> LinearMethod:
+    """The method of a 4-bit scheme: pack-quantized int weights in groups or per channel, into the int4 kernels."""
+    from ember_plugins.quantization.int4_checkpoints import CompressedTensorsInt4Method
+
+    if fmt != "pack-quantized":
+        raise QuantizationError(f"not supported yet: compressed-tensors 4-bit weights in format {fmt!r} "
+                                "(supported: pack-quantized)")
+    strategy = weights.get("strategy")
+    checks = (("type", weights.get("type") == "int", "'int'"),
+              ("strategy", strategy in ("group", "channel"), "'group' or 'channel'"),
+              ("group_size", strategy != "group" or (isinstance(weights.get("group_size"), int)
+               and weights["group_size"] > 0), "a positive integer with strategy 'group'"),
+              ("dynamic", not weights.get("dynamic"), "false"),
+              ("actorder", weights.get("actorder") in (None, False), "none"))
+    for key, ok, supported in checks:
+        if not ok:
+            raise QuantizationError(f"not supported yet: {where}.weights.{key} = {weights.get(key)!r} with "
+                                    f"num_bits 4 (supported: {supported})")
+    unread = sorted(set(options) - {"kernel"})
+    if unread:
+        raise QuantizationError(f"quantization.options.{unread[0]}: a 4-bit compressed-tensors checkpoint reads "
+                                "only kernel")
+    group_size = int(weights["group_size"]) if strategy == "group" else None
+    return CompressedTensorsInt4Method(group_size, bool(weights.get("symmetric", True)),
+                                       str(options.get("kernel", "auto")))
+
+
 def ignored(pattern: str, module: str) -> bool:
     """Whether an `ignore` entry names this checkpoint module ("re:<regex>" or a name, matched whole or as
     the module's last part, e.g. "lm_head")."""
@@ -89,7 +118,7 @@ class CompressedTensorsQuantizer(Quantizer):
         self.kernel = str(self.options.get("kernel", "auto"))
         self.threshold = None if threshold is None else int(threshold)
         self.ignore: tuple[str, ...] = ()
-        self.method: LinearMethod = Int8LinearMethod(self.kernel, self.threshold, prequantized=True)
+        self.method: LinearMethod | None = None  # chosen by `prepare`, from the checkpoint's scheme
 
     def prepare(self, context: QuantizationContext) -> None:
         config = context.checkpoint_quantization
@@ -122,6 +151,10 @@ class CompressedTensorsQuantizer(Quantizer):
                 raise QuantizationError(f"not supported yet: {where}.{key} (activation quantization); "
                                         "weight-only int8 is")
         weights = group.get("weights") or {}
+        if weights.get("num_bits") == 4:
+            self.ignore = tuple(config.get("ignore") or ())
+            self.method = int4_method(weights, where, fmt, self.options)
+            return
         wanted = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
         for key, value in wanted.items():
             if weights.get(key) != value:
@@ -130,10 +163,12 @@ class CompressedTensorsQuantizer(Quantizer):
         if weights.get("dynamic") or weights.get("group_size") is not None:
             raise QuantizationError(f"not supported yet: {where}.weights with dynamic or group_size")
         self.ignore = tuple(config.get("ignore") or ())
-        if fmt == "pack-quantized":
-            self.method = PackedInt8LinearMethod(self.kernel, self.threshold, prequantized=True)
+        packed = fmt == "pack-quantized"
+        self.method = (PackedInt8LinearMethod if packed else Int8LinearMethod)(self.kernel, self.threshold,
+                                                                               prequantized=True)
 
     def linear_method(self, spec: LinearSpec, inner: LinearMethod) -> LinearMethod:
+        assert self.method is not None, "prepare() first"
         if inner is not UNQUANTIZED:
             raise QuantizationError("quantization 'compressed-tensors' must be the last method")
         skipped = [any(ignored(p, m) for p in self.ignore) for m in spec.checkpoint_prefixes]

@@ -1,14 +1,16 @@
 """`gptq`: checkpoints quantized to 4 bits by GPTQ (AutoGPTQ / GPTQModel's layout, what transformers loads with
-`quant_method: "gptq"`), loaded as they are stored and run by a plain-torch dequantize-then-matmul.
+`quant_method: "gptq"`), loaded into the int4 layers and kernels (`int4_checkpoints.GPTQInt4Method`), or, with
+`kernel = "reference"`, kept as stored and run by a plain-torch dequantize-then-matmul (`GPTQLinearMethod`).
 
 Per linear (weights in [in, out] orientation): `qweight` int32 [in / 8, out], eight 4-bit values down the input
 dimension, the first in the lowest bits; `qzeros` int32 [groups, out / 8], eight zero points along the output
 dimension, stored minus one (the "gptq" checkpoint format); `scales` [groups, out]; `g_idx` int32 [in], the group
 of each input row. W[r, c] = scales[g, c] * (q[r, c] - (qzeros[g, c] + 1)) with g = g_idx[r].
 
-The weights stay packed (half a byte each); each forward pass dequantizes the layer in the activations' dtype and
-runs one matmul: correct everywhere torch runs, not fast, the reference a kernel plugin would replace. Refused as
-not supported yet: other bit widths, act-order (`desc_act`), the "gptq_v2" zero-point format.
+The reference keeps the weights packed (half a byte each); each forward pass dequantizes the layer in the
+activations' dtype and runs one matmul: correct everywhere torch runs, not fast. Act-order (`desc_act`, a g_idx
+not in input order) loads either way. Refused as not supported yet: other bit widths, the "gptq_v2" zero-point
+format.
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ class GPTQLinearMethod(LinearMethod):
 
 
 class GPTQQuantizer(Quantizer):
-    """Loads GPTQ 4-bit checkpoints; quantizes every linear but the LM head (unless the config's `lm_head`)."""
+    """Loads GPTQ 4-bit checkpoints; quantizes every linear but the LM head (unless the config's `lm_head`).
+    Option `kernel`: an int4 kernel (auto, native, int4pack, triton, dequant) or "reference"."""
 
     checkpoint_format = "gptq"
 
@@ -120,15 +123,24 @@ class GPTQQuantizer(Quantizer):
             raise QuantizationError("quantization 'gptq' loads stored 4-bit weights, so it must come last")
         unsupported = [(k, v, ok) for k, v, ok in (
             ("bits", config.get("bits"), config.get("bits") == BITS),
-            ("desc_act", config.get("desc_act"), not config.get("desc_act")),
             ("checkpoint_format", config.get("checkpoint_format"), config.get("checkpoint_format", "gptq") == "gptq"),
         ) if not ok]
         if unsupported:
             key, value, _ = unsupported[0]
             raise QuantizationError(f"not supported yet: GPTQ quantization_config.{key} = {value!r} (supported: "
-                                    "bits 4, desc_act false, checkpoint_format \"gptq\")")
+                                    "bits 4, checkpoint_format \"gptq\")")
         self.lm_head = bool(config.get("lm_head", False))
-        self.method = GPTQLinearMethod(int(config.get("group_size", 128)))
+        self.method = self.checkpoint_method(config)
+
+    def checkpoint_method(self, config: Mapping[str, Any]) -> LinearMethod:
+        """The layers of a GPTQ checkpoint: the int4 kernels, or the torch reference (`kernel = "reference"`)."""
+        group_size = int(config.get("group_size", 128))
+        kernel = str(self.options.get("kernel", "auto"))
+        if kernel == "reference":
+            return GPTQLinearMethod(group_size)
+        from ember_plugins.quantization.int4_checkpoints import GPTQInt4Method  # it imports this module
+
+        return GPTQInt4Method(group_size, kernel)
 
     def linear_method(self, spec: LinearSpec, inner: LinearMethod) -> LinearMethod:
         assert self.method is not None, "prepare() first"

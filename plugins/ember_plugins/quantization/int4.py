@@ -178,8 +178,10 @@ class Int4Method(LinearMethod):
                                     f"{', '.join(KERNELS)}")
         self.kernel = kernel
 
-    def install(self, layer: Linear, weights: Int4Weights) -> None:
-        """Give `layer` these weights in the chosen kernel's layout; every tensor it held but its bias goes."""
+    def install(self, layer: Linear, weights: Int4Weights, input_order: torch.Tensor | None = None) -> None:
+        """Give `layer` these weights in the chosen kernel's layout; every tensor it held but its bias goes.
+        `input_order`: the weights' columns hold the inputs in this order (act-order GPTQ sorts them by group),
+        so each forward pass reads x[..., input_order]; None: in order."""
         out_features, in_features = weights.values.shape
         if (out_features, in_features) != (layer.out_features, layer.in_features):
             raise ValueError(f"int4 weights [{out_features}, {in_features}] for a layer of "
@@ -212,6 +214,10 @@ class Int4Method(LinearMethod):
             _register(layer, "int4_packed", pack_int4(weights.values))
             _register(layer, "int4_scales", weights.scales.float().contiguous())
             _register(layer, "int4_zeros", weights.zeros.to(torch.uint8).contiguous())
+        if input_order is not None:
+            if sorted(input_order.tolist()) != list(range(in_features)):
+                raise ValueError(f"int4: input_order is not a permutation of the {in_features} inputs")
+            _register(layer, "int4_input_order", input_order.to(device=device, dtype=torch.long))
         layer.kernel = kernel
         layer.group_size = weights.group_size
         layer.symmetric = bool(torch.all(weights.zeros == 8))
@@ -219,6 +225,9 @@ class Int4Method(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         x2 = x.reshape(-1, layer.in_features)
+        order = layer._parameters.get("int4_input_order")
+        if order is not None:
+            x2 = x2.index_select(1, order)
         kernel = layer.kernel
         y: torch.Tensor | None = None
         if kernel == "native":
