@@ -59,13 +59,49 @@ BOS, EOS, PAD, IM_START, IM_END = "<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>
 # Trained first, so they take ids 0..4 in this order.
 SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END]
 
-# ChatML. One line on purpose: transformers renders templates with trim_blocks and lstrip_blocks and a
-# plain jinja2 Environment does not; a template without newlines around its tags renders the same in
-# both, so the engine may use either.
+# ChatML, with tools as Qwen2.5 and Hermes models write them: the functions in the system turn inside <tools>, the
+# assistant's calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>, the results in a user turn as
+# <tool_response>s. So the package's tool parser is "hermes". Without tools it renders plain ChatML.
+# One line on purpose: transformers renders templates with trim_blocks and lstrip_blocks and a plain jinja2
+# Environment does not; a template without newlines around its tags renders the same in both, so the engine
+# may use either.
+TOOLS_SYSTEM_PROMPT = (
+    "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>"
+)
+TOOLS_INSTRUCTIONS = (
+    "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call>"
+)
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    f"{{{{ '{TOOLS_SYSTEM_PROMPT}' }}}}"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    f"{{{{ '{TOOLS_INSTRUCTIONS}<|im_end|>\\n' }}}}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first and tools %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] is defined %}"
+    "{{ '<|im_start|>assistant' }}"
+    "{% if message['content'] %}{{ '\\n' + message['content'] }}{% endif %}"
+    "{% for tool_call in message['tool_calls'] %}"
+    "{% set call = tool_call['function'] if tool_call['function'] is defined else tool_call %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{% if call['arguments'] is string %}{{ call['arguments'] }}{% else %}{{ call['arguments'] | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
@@ -127,6 +163,9 @@ kv_block_size = 16      # tokens per KV-cache block: prefix caching shares whole
                         # blocks share more of a common prompt; 16 keeps block tables short too
 max_num_seqs = 64       # a tiny model decodes many sequences per step cheaply: at 64 rather than 32 the
                         # mixed-workload bench ran ~20% faster (per-step costs shared by twice the rows)
+
+[chat]
+tool_parser = "hermes"  # the chat template writes calls as <tool_call>{{"name": ..., "arguments": ...}}</tool_call>
 
 [scaling]
 min_replicas = 0        # scale to zero when idle: a {num_params * 4 / 1e6:.0f} MB model reloads in well under a second

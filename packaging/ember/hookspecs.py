@@ -115,6 +115,18 @@ def ember_launchers(register: Register) -> None:
     """
 
 
+@hookspec
+def ember_tool_parsers(register: Register) -> None:
+    """Register tool-call parsers, one per model family's call format, e.g. "hermes", "llama3_json", "mistral".
+
+    `impl` is an `ember_platform.api.ToolParser` subclass, built without arguments: its `scan(text, final=...)`
+    splits output text into text and calls (the replica builds the `tool_calls` of a response and the streamed
+    deltas from it), `grammar(tools, parallel=...)` forces the format for `tool_choice` "required" or a named
+    function, and `matches_template(template)` lets a package whose `[chat] tool_parser` is "auto" get it from its
+    chat template. A package names its parser with `[chat] tool_parser = "NAME"`.
+    """
+
+
 # --- selection ----------------------------------------------------------------------------
 
 

@@ -198,6 +198,9 @@ class PluginHost:
                                   f"= {value!r} names no technique to pass it to")
             if given:
                 self._check_options(kind, value, given, source)
+        parser = manifest.chat.tool_parser
+        if parser not in KINDS["tool_parser"].reserved and self.techniques.get("tool_parser", parser) is None:
+            raise PluginError(f"{source}: chat.tool_parser: {unknown_technique_message(self, 'tool_parser', parser)}")
 
     def _check_options(self, kind: str, name: str, given: Iterable[str], where: str) -> None:
         """PluginError for the first option key the technique `name` does not declare that it reads."""
@@ -258,6 +261,40 @@ class PluginHost:
 
     def select_all(self, manifest: Manifest, hardware: Hardware | None = None) -> dict[str, SelectionReport]:
         return {kind: self.select(kind, manifest, hardware) for kind in SELECTABLE}
+
+    def select_tool_parser(self, manifest: Manifest, chat_template: str | None) -> SelectionReport:
+        """The tool-call parser for this package ("none": requests with tools are refused).
+
+        `[chat] tool_parser` names it; "auto" takes the one registered parser whose `matches_template` says the
+        chat template (the one requests with tools render) writes its format, and none when zero or several do.
+        """
+        value = manifest.chat.tool_parser
+        if value != AUTO:
+            if value != NONE and self.techniques.get("tool_parser", value) is None:
+                raise PluginError(f"chat.tool_parser: {unknown_technique_message(self, 'tool_parser', value)}")
+            where = "in ember.toml" if "tool_parser" in manifest.chat.model_fields_set else "(the default)"
+            return SelectionReport("tool_parser", value, {}, f"chat.tool_parser = {value!r} {where}", "manifest")
+        decided_by = "the chat template (chat.tool_parser = 'auto')"
+        if chat_template is None:
+            return SelectionReport("tool_parser", NONE, {}, "auto: the model has no chat template", decided_by)
+        matching = []
+        for name, technique in self.techniques.of_kind("tool_parser").items():
+            try:
+                matches = technique.load().matches_template(chat_template)
+            except Exception as e:
+                raise PluginError(f"{self._describe(technique.plugin)}: tool parser '{name}' failed to read the chat "
+                                  f"template: {type(e).__name__}: {e}") from e
+            if matches:
+                matching.append(name)
+        if len(matching) == 1:
+            return SelectionReport("tool_parser", matching[0], {},
+                                   f"auto: the chat template writes {matching[0]!r} tool calls", decided_by)
+        if matching:
+            reason = (f"auto: the chat template matches several parsers ({', '.join(matching)}); set "
+                      "[chat] tool_parser in ember.toml")
+        else:
+            reason = "auto: the chat template writes no tool-call format an installed parser knows"
+        return SelectionReport("tool_parser", NONE, {}, reason, decided_by)
 
     # --- lifecycle ------------------------------------------------------------------------
 

@@ -33,6 +33,8 @@ KINDS: dict[str, TechniqueKind] = {
                       "parallelism.strategy", ("auto", "none")),
         TechniqueKind("routing_scorer", "ember_routing_scorers", None, None, ()),
         TechniqueKind("launcher", "ember_launchers", None, None, ()),
+        # Chosen per package, but from its chat template rather than the hardware: see PluginHost.tool_parser.
+        TechniqueKind("tool_parser", "ember_tool_parsers", None, "chat.tool_parser", ("auto", "none")),
     )
 }
 

@@ -63,6 +63,21 @@ _EXPORTS: dict[str, str] = {
     "ReplicaView": "ember_platform.routing",
     "RouteRequest": "ember_platform.routing.scoring",
     "Score": "ember_platform.routing.scoring",
+    # tool-call parsers (ember_tool_parsers); torch-free
+    "CallSegment": "ember_platform.tools.parser",
+    "Segment": "ember_platform.tools.parser",
+    "TextSegment": "ember_platform.tools.parser",
+    "ToolParser": "ember_platform.tools.parser",
+    "partial_marker": "ember_platform.tools.parser",
+    "Tool": "ember_platform.tools.calls",
+    "ToolCall": "ember_platform.tools.calls",
+    "JsonCall": "ember_platform.tools.json_call",
+    "scan_json_call": "ember_platform.tools.json_call",
+    "MAX_PARALLEL_CALLS": "ember_platform.tools.grammar",
+    "call_schema": "ember_platform.tools.grammar",
+    "json_rule": "ember_platform.tools.grammar",
+    "lark_string": "ember_platform.tools.grammar",
+    "repeated": "ember_platform.tools.grammar",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -100,6 +115,10 @@ if TYPE_CHECKING:
     from ember_platform.engine.worker import Worker, WorkerConfig
     from ember_platform.routing import KV_TIERS, ReplicaView
     from ember_platform.routing.scoring import RouteRequest, Score
+    from ember_platform.tools.calls import Tool, ToolCall
+    from ember_platform.tools.grammar import MAX_PARALLEL_CALLS, call_schema, json_rule, lark_string, repeated
+    from ember_platform.tools.json_call import JsonCall, scan_json_call
+    from ember_platform.tools.parser import CallSegment, Segment, TextSegment, ToolParser, partial_marker
 
 
 def __getattr__(name: str) -> Any:

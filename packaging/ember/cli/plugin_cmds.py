@@ -54,6 +54,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
+    from ember.chat_templates import read_chat_templates, tool_template
     from ember.errors import PluginError
     from ember.plugins import load_package
     from ember.techniques import SELECTABLE
@@ -67,6 +68,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
             reports[kind] = host.select(kind, manifest, hardware)
         except PluginError as e:
             problems[kind] = str(e)
+    try:
+        template = tool_template(read_chat_templates(args.dir / manifest.model.weights))
+        reports["tool_parser"] = host.select_tool_parser(manifest, template)
+    except (PluginError, ValueError) as e:
+        problems["tool_parser"] = str(e)
     if args.json:
         print(json.dumps({"package": manifest.reference, "hardware": hardware.describe(),
                           "selections": {k: r.as_dict() for k, r in reports.items()},

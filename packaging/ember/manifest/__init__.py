@@ -4,6 +4,7 @@ from ember.manifest.load import MANIFEST_NAME, load_manifest, parse_manifest
 from ember.manifest.schema import (
     AUTO,
     NONE,
+    ChatSection,
     KernelsSection,
     LoraEntry,
     Manifest,
@@ -21,6 +22,7 @@ __all__ = [
     "AUTO",
     "MANIFEST_NAME",
     "NONE",
+    "ChatSection",
     "KernelsSection",
     "LoraEntry",
     "Manifest",

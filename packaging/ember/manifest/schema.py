@@ -299,6 +299,15 @@ class ServingSection(Section):
         return None if v is None else parse_duration(v)
 
 
+class ChatSection(Section):
+    """[chat]: how the chat API reads this model's output."""
+
+    tool_parser: str = Field(AUTO, description="The tool-call parser plugin that reads the model's tool calls "
+                             "(\"hermes\", \"llama3_json\", \"mistral\", ...), \"auto\" (the one parser whose "
+                             "format the chat template writes, if exactly one does) or \"none\" (requests with "
+                             "tools are refused).")
+
+
 class Manifest(Section):
     """A whole `ember.toml`."""
 
@@ -311,6 +320,7 @@ class Manifest(Section):
     scaling: ScalingSection = Field(default_factory=ScalingSection)
     lora: list[LoraEntry] = Field(default_factory=list)
     serving: ServingSection = Field(default_factory=ServingSection)
+    chat: ChatSection = Field(default_factory=ChatSection)
 
     @model_validator(mode="after")
     def _check_unique_adapters(self) -> Manifest:

@@ -11,7 +11,9 @@ working; `ignored_fields` lists them for the gateway to log.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
@@ -39,6 +41,7 @@ from ember_platform.gateway.errors import (
 )
 from ember_platform.gateway.request_body import check_text
 from ember_platform.gateway.structured_outputs import ConstraintFields
+from ember_platform.tools.calls import Tool, ToolUse
 
 MAX_STOP_SEQUENCES = 4
 MAX_PROMPTS_ENV = "EMBER_MAX_PROMPTS"
@@ -143,7 +146,25 @@ class ChatMessage(BaseModel):
     def template_message(self) -> dict[str, Any]:
         # Open models' templates know "system", not OpenAI's newer "developer" (which replaces it).
         role = "system" if self.role == "developer" else self.role
-        return {**(self.model_extra or {}), "role": role, "content": self.text()}
+        message = {**(self.model_extra or {}), "role": role, "content": self.text()}
+        if isinstance(message.get("tool_calls"), list):
+            message["tool_calls"] = [_template_tool_call(call) for call in message["tool_calls"]]
+        return message
+
+
+def _template_tool_call(call: Any) -> Any:
+    """An assistant message's tool call as templates take it: OpenAI sends the arguments as JSON text, templates
+    (Qwen2.5's, Llama 3.1's) write them with `| tojson`, which would quote that text again; so, as transformers'
+    callers do, they get the object."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        decoded = json.loads(arguments)
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": decoded}} if isinstance(decoded, dict) else call
 
 
 class FunctionDefinition(BaseModel):
@@ -337,7 +358,52 @@ class ChatCompletionRequest(GenerationRequest):
     def check(self) -> None:
         if self.top_logprobs and not self.logprobs:
             raise invalid_request("top_logprobs", "top_logprobs requires 'logprobs' to be true.")
+        self._check_tools()
         super().check()
+
+    def _check_tools(self) -> None:
+        if self.tools is None or self.tools == []:
+            for field in ("tools", "tool_choice", "parallel_tool_calls"):
+                if getattr(self, field) is not None and (field != "tools" or self.tools == []):
+                    raise invalid_request(field, f"Invalid '{field}': it is only allowed when 'tools' lists at "
+                                                 "least one tool.")
+            return
+        names: set[str] = set()
+        for index, tool in enumerate(self.tools):
+            function = tool.function
+            if not _FUNCTION_NAME.fullmatch(function.name):
+                raise invalid_request(f"tools[{index}].function.name", f"Invalid 'tools[{index}].function.name': "
+                                      f"{function.name!r} must be 1 to 64 letters, digits, '_' or '-'.")
+            if function.name in names:
+                raise invalid_request(f"tools[{index}].function.name", f"Invalid 'tools[{index}].function.name': "
+                                      f"two tools are named {function.name!r}.")
+            names.add(function.name)
+            _check_parameters_schema(function.parameters, f"tools[{index}].function.parameters")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise invalid_request("tool_choice.function.name", f"Invalid 'tool_choice.function.name': "
+                                  f"{choice.function.name!r} is not among the tools ({', '.join(sorted(names))}).")
+        if (choice == "required" or isinstance(choice, NamedToolChoice)) and (
+                constraint := self.output_constraint()) is not None:
+            raise invalid_request("tool_choice", f"Invalid 'tool_choice': a required or named tool call constrains "
+                                                 f"the output to that call, and this request also constrains it "
+                                                 f"with '{constraint.param}'. Send one of them.")
+        if self.logprobs and choice != "none":
+            raise unsupported("logprobs", "logprobs are not supported together with tools: the output is read as "
+                                          "tool calls, and per-token logprobs would show its markup. Send one or the "
+                                          "other (or tool_choice 'none').")
+
+    def tool_use(self) -> ToolUse | None:
+        """How the model may use the tools; None when it is offered none (no tools, or tool_choice "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        tools = tuple(Tool(t.function.name, t.function.description, t.function.parameters) for t in self.tools)
+        parallel = self.parallel_tool_calls is not False
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            named = next(t for t in tools if t.name == choice.function.name)
+            return ToolUse((named,), "named", parallel=False)
+        return ToolUse(tools, "required" if choice == "required" else "auto", parallel=parallel)
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as chat templates take them: string content, 'developer' as 'system'."""
@@ -351,6 +417,28 @@ class ChatCompletionRequest(GenerationRequest):
         if not self.tools or self.tool_choice == "none":
             return None
         return [tool.model_dump(exclude_unset=True) for tool in self.tools]  # as sent, explicit nulls kept
+
+
+# OpenAI's rule for function names.
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _check_parameters_schema(schema: dict[str, Any] | None, param: str) -> None:
+    """A tool's parameters must be a JSON schema (by its metaschema) of an object, as OpenAI requires."""
+    if schema is None:
+        return
+    import jsonschema  # only requests with tools pay for the import
+
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path)
+        raise invalid_request(param, f"Invalid '{param}': not a valid JSON schema: {e.message} "
+                                     f"(at '{where or '.'}').") from None
+    if schema.get("type", "object") != "object":
+        raise invalid_request(param, f"Invalid '{param}': the arguments must be an object: the schema's type must "
+                                     f"be 'object', got {schema.get('type')!r}.")
 
 
 class CompletionRequest(GenerationRequest):

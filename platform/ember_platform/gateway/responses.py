@@ -20,6 +20,7 @@ from ember_platform.gateway.errors import request_aborted
 if TYPE_CHECKING:  # the engine's modules import torch; these are only read here, by attribute
     from ember_platform.engine.outputs import RequestOutput, Usage
     from ember_platform.engine.sampler import TokenLogprobs
+    from ember_platform.tools import ToolCallStream, ToolParser
 
 TokenText = Callable[[int], str]
 
@@ -140,10 +141,27 @@ class Generation:
         return "".join(self.text_parts)
 
 
+def chat_message(text: str, finish_reason: str, tool_parser: ToolParser | None = None) -> tuple[dict[str, Any], str]:
+    """The assistant message of a finished choice, and its finish_reason: with a `tool_parser`, the calls the text
+    holds go into `tool_calls` (content null when there is nothing else) and a choice that stopped on its own
+    finishes with "tool_calls"."""
+    if tool_parser is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    from ember_platform.tools import parse_tool_calls
+
+    content, calls = parse_tool_calls(tool_parser, text)
+    if not calls:
+        return {"role": "assistant", "content": text}, finish_reason
+    message = {"role": "assistant", "content": content, "tool_calls": [call.as_openai() for call in calls]}
+    return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 def chat_completion(generation: Generation, *, model: str, token_text: TokenText, logprobs: bool = False,
-                    completion_id: str | None = None, created: int | None = None) -> dict[str, Any]:
+                    completion_id: str | None = None, created: int | None = None,
+                    tool_parser: ToolParser | None = None) -> dict[str, Any]:
     """A `chat.completion` object for one finished request. Raises ProtocolError (503) if it was aborted."""
-    finish_reason = _openai_finish_reason(generation.finish_reason)
+    message, finish_reason = chat_message(generation.text, _openai_finish_reason(generation.finish_reason),
+                                          tool_parser)
     return {
         "id": completion_id or new_chat_completion_id(),
         "object": "chat.completion",
@@ -151,7 +169,7 @@ def chat_completion(generation: Generation, *, model: str, token_text: TokenText
         "model": model,
         "choices": [{
             "index": 0,
-            "message": {"role": "assistant", "content": generation.text},
+            "message": message,
             "logprobs": chat_logprobs(generation.logprobs, token_text) if logprobs else None,
             "finish_reason": finish_reason,
         }],
@@ -217,17 +235,23 @@ class _Stream:
         chunks = []
         logprobs = output.logprobs if self.logprobs else None
         if output.new_text or logprobs:
-            chunks.append(self._chunk([self._content_choice(index, output.new_text, logprobs or [])]))
+            chunks.extend(self._chunk([c]) for c in self._text_choices(index, output.new_text, logprobs or []))
         self._usage[index] = output.usage
         if output.finished:
             finish_reason = _openai_finish_reason(output.finish_reason)
-            chunks.append(self._chunk([self._finish_choice(index, finish_reason)]))
+            chunks.extend(self._chunk([c]) for c in self._finish_choices(index, finish_reason))
             self._finished.add(index)
             if len(self._finished) == self.num_choices:
                 self.done = True
                 if self.include_usage:
                     chunks.append({**self._chunk([]), "usage": _total_usage(self._usage.values())})
         return chunks
+
+    def _text_choices(self, index: int, text: str, logprobs: Sequence[TokenLogprobs]) -> list[dict[str, Any]]:
+        return [self._content_choice(index, text, logprobs)]
+
+    def _finish_choices(self, index: int, finish_reason: str) -> list[dict[str, Any]]:
+        return [self._finish_choice(index, finish_reason)]
 
     def _content_choice(self, index: int, text: str, logprobs: Sequence[TokenLogprobs]) -> dict[str, Any]:
         raise NotImplementedError
@@ -242,15 +266,22 @@ class ChatStream(_Stream):
     A first chunk with delta {"role": "assistant", "content": ""}; a content chunk per engine step that produced
     text; a chunk with an empty delta and the finish_reason; with include_usage, a last chunk with `choices: []`
     and the usage (every other chunk then carries `"usage": null`).
+
+    With a `tool_parser`, the text goes through a `ToolCallStream` per choice: content chunks for text, a chunk
+    per tool-call delta (the call's opening, then its arguments' fragments), never call markup as content; a
+    choice that made calls and stopped on its own finishes with "tool_calls".
     """
 
     object_name = "chat.completion.chunk"
 
     def __init__(self, *, model: str, token_text: TokenText, include_usage: bool = False, logprobs: bool = False,
-                 completion_id: str | None = None, created: int | None = None) -> None:
+                 completion_id: str | None = None, created: int | None = None,
+                 tool_parser: ToolParser | None = None) -> None:
         super().__init__(model=model, token_text=token_text, include_usage=include_usage, logprobs=logprobs,
                          completion_id=completion_id or new_chat_completion_id(), created=created)
         self._started = False
+        self.tool_parser = tool_parser
+        self._tool_streams: dict[int, ToolCallStream] = {}
 
     def start(self) -> list[dict[str, Any]]:
         """The role chunk, once; `add` sends it first if this was not called (call it to flush headers early)."""
@@ -271,6 +302,32 @@ class ChatStream(_Stream):
 
     def _finish_choice(self, index: int, finish_reason: str) -> dict[str, Any]:
         return {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
+
+    def _tool_stream(self, index: int) -> ToolCallStream | None:
+        if self.tool_parser is None:
+            return None
+        if index not in self._tool_streams:
+            from ember_platform.tools import ToolCallStream
+
+            self._tool_streams[index] = ToolCallStream(self.tool_parser)
+        return self._tool_streams[index]
+
+    def _text_choices(self, index: int, text: str, logprobs: Sequence[TokenLogprobs]) -> list[dict[str, Any]]:
+        stream = self._tool_stream(index)
+        if stream is None:
+            return super()._text_choices(index, text, logprobs)
+        return [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+                for delta in stream.feed(text)]
+
+    def _finish_choices(self, index: int, finish_reason: str) -> list[dict[str, Any]]:
+        stream = self._tool_stream(index)
+        if stream is None:
+            return super()._finish_choices(index, finish_reason)
+        choices = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+                   for delta in stream.finish()]
+        if stream.made_calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return [*choices, self._finish_choice(index, finish_reason)]
 
 
 class CompletionStream(_Stream):

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ember.chat_templates import tool_template
 from ember.errors import EmberError, PackageError
 from ember.package.lock import LOCK_NAME, Lock
 from ember.postprocess import OutputHookError, OutputPipeline
@@ -61,9 +62,11 @@ from ember_platform.replica.auth import ReplicaAuthMiddleware
 from ember_platform.replica.metrics import COLD_START_PHASES, ReplicaMetrics
 
 if TYPE_CHECKING:  # the engine imports torch; the app only needs it once `load()` runs
+    from ember.selection import SelectionReport
     from ember_platform.engine.async_engine import AsyncEngine
     from ember_platform.engine.engine import LLMEngine
     from ember_platform.engine.outputs import RequestOutput
+    from ember_platform.tools import ToolParser
 
 log = logging.getLogger("ember.replica")
 
@@ -121,6 +124,8 @@ class Replica:
         self.num_in_flight = 0
         self.stream_event_rate = stream_event_rate
         self.token_text: Callable[[int], str] = self._no_tokens  # one token's text, for logprobs; set by load()
+        self.tool_parser: ToolParser | None = None  # reads tool calls from chat outputs; set by load()
+        self.tool_parser_report: SelectionReport | None = None
         self._warmup_counters: dict[str, float] = {}
         self.metrics = ReplicaMetrics(self._request_stats, lambda: self.num_in_flight)
 
@@ -135,6 +140,7 @@ class Replica:
         self.timings["load"] = engine.timings["load"]
         self.timings["quantize"] = engine.timings.get("quantize", 0.0)
         self._warm_up(engine)
+        self._select_tool_parser(engine)
         self.engine = engine
         self.token_text = functools.lru_cache(maxsize=1 << 16)(
             lambda token_id: engine.tokenizer.decode([token_id], skip_special_tokens=False))
@@ -160,6 +166,13 @@ class Replica:
         self.timings["warmup"] = time.perf_counter() - t0
         stats = engine.stats()
         self._warmup_counters = {key: stats[key] for key in _WARMUP_COUNTERS}
+
+    def _select_tool_parser(self, engine: LLMEngine) -> None:
+        report = engine.plugins.select_tool_parser(self.manifest, tool_template(engine.tokenizer.chat_template))
+        technique = engine.plugins.techniques.get("tool_parser", report.name)
+        self.tool_parser = technique.load()() if technique is not None else None
+        self.tool_parser_report = report
+        log.info("tool parser: %s (%s)", report.name, report.reason)
 
     @staticmethod
     def _no_tokens(token_id: int) -> str:
@@ -209,7 +222,9 @@ class Replica:
             "digest": self.digest,
             "state": self.status(),
             "error": self.failure,
-            "selections": {kind: report.as_dict() for kind, report in engine.selections.items()} if engine else {},
+            "selections": {**{kind: report.as_dict() for kind, report in engine.selections.items()},
+                           **({"tool_parser": self.tool_parser_report.as_dict()} if self.tool_parser_report else {})}
+            if engine else {},
             "kernel_ops": engine.kernel_ops.describe() if engine else {},  # per op: the impls tried, in order
             "timings": dict(self.timings),
             "stats": engine.stats() if engine else None,
@@ -394,6 +409,63 @@ def _prompt_ids(replica: Replica, body: CompletionRequest) -> list[list[int]]:
                                          f"got {max(ids)}.")
         batch.append(ids)
     return batch
+
+
+def _tool_parser(replica: Replica, body: ChatCompletionRequest) -> ToolParser | None:
+    """The parser that reads this request's tool calls; None when it offers the model no tools. A model without
+    one cannot take tools: its calls would come back as text, so the request is refused."""
+    if body.tool_use() is None:
+        return None
+    if replica.tool_parser is None:
+        report = replica.tool_parser_report
+        why = f" ({report.reason})" if report is not None else ""
+        raise invalid_request("tools", f"Invalid 'tools': the model '{replica.manifest.model.name}' has no tool-call "
+                                       f"parser{why}, so its calls could not be read. Send the request without "
+                                       "tools, or set [chat] tool_parser in the package's ember.toml.",
+                              "unsupported_value")
+    return replica.tool_parser
+
+
+async def _constrain_tool_calls(replica: Replica, params: SamplingParams, body: ChatCompletionRequest,
+                                tool_parser: ToolParser | None) -> SamplingParams:
+    """tool_choice "required" or a named function: the output is forced into the parser's call format, each call's
+    arguments into its tool's parameters schema. Compiled here, in a thread, like any other constraint; a schema the
+    grammar engine cannot enforce is a 400 naming that tool's parameters."""
+    use = body.tool_use()
+    if tool_parser is None or use is None or not use.constrained:
+        return params
+    from ember_platform.engine.sampling_params import StructuredOutput
+    from ember_platform.engine.structured_output import StructuredOutputError
+
+    assert replica.engine is not None
+    grammars = replica.engine.grammars
+    structured = StructuredOutput("grammar", tool_parser.grammar(use.tools, parallel=use.parallel))
+    if not grammars.is_cached(structured):
+        try:
+            await asyncio.to_thread(grammars.compile, structured)
+        except StructuredOutputError as e:
+            raise await _tool_grammar_error(replica, body, e.reason) from None
+    return dataclasses.replace(params, structured=structured)
+
+
+async def _tool_grammar_error(replica: Replica, body: ChatCompletionRequest, reason: str) -> ProtocolError:
+    """The 400 for a tool grammar the engine refused: naming the first tool whose parameters it cannot enforce
+    alone (found only on this error path), else `tools` as a whole."""
+    import json
+
+    from ember_platform.engine.sampling_params import StructuredOutput
+    from ember_platform.engine.structured_output import StructuredOutputError
+
+    assert replica.engine is not None and body.tools is not None
+    for index, tool in enumerate(body.tools):
+        if tool.function.parameters is None:
+            continue
+        schema = StructuredOutput("json_schema", json.dumps(tool.function.parameters))
+        try:
+            await asyncio.to_thread(replica.engine.grammars.compile, schema)
+        except StructuredOutputError as e:
+            return compile_error(f"tools[{index}].function.parameters", e.reason)
+    return compile_error("tools", reason)
 
 
 def _chat_prompt_ids(replica: Replica, body: ChatCompletionRequest) -> list[int]:
@@ -599,15 +671,18 @@ def create_app(replica: Replica, *, secret: str | None = None) -> Starlette:
         assert replica.engine is not None
         params = body.sampling_params_for(len(prompt), replica.engine.max_sequence_len, replica.engine.vocab_size)
         await _compile_constraint(replica, body)
+        tool_parser = _tool_parser(replica, body)
+        params = await _constrain_tool_calls(replica, params, body, tool_parser)
         response_id = new_chat_completion_id()
         if body.stream:
             stream = ChatStream(model=body.model, token_text=replica.token_text, include_usage=body.include_usage,
-                                logprobs=body.wants_logprobs, completion_id=response_id)
+                                logprobs=body.wants_logprobs, completion_id=response_id, tool_parser=tool_parser)
             return _sse_response(_events(replica, stream, [prompt], [params], body.cache_salt, adapter, data))
         return await _generate(
             request, replica, data, [prompt], [params], response_id, body.cache_salt, adapter,
             lambda generations: chat_completion(generations[0], model=body.model, token_text=replica.token_text,
-                                                logprobs=body.wants_logprobs, completion_id=response_id))
+                                                logprobs=body.wants_logprobs, completion_id=response_id,
+                                                tool_parser=tool_parser))
 
     async def completions(request: Request) -> Response:
         data = await _read_body(request, replica, authenticated=secret is not None)

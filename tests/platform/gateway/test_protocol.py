@@ -253,8 +253,9 @@ def test_chat_messages_reach_the_template_as_strings_with_their_other_fields() -
     assert request.template_messages() == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "line 1\nline 2", "name": "ann"},
+        # the arguments' JSON text as an object: templates write it with `| tojson`
         {"role": "assistant", "content": "",
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {}}}]},
         {"role": "tool", "content": "42", "tool_call_id": "c1"},
     ]
 

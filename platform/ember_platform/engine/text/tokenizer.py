@@ -13,12 +13,13 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, processors
 
+from ember.chat_templates import ChatTemplates, load_chat_templates
+
 from .chat_template import ChatTemplateError, render_chat_template
 
 # transformers' named special tokens; all of them are visible to chat templates as `{{ bos_token }}` etc.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
-ChatTemplates = str | dict[str, str]
 GIL_FREE_ENCODE_CHARS = 4096  # shorter texts encode faster holding the GIL (~25 us less) than releasing it
 
 
@@ -48,34 +49,6 @@ def _as_id_list(value: Any) -> list[int]:
     if isinstance(value, list):
         return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
     return []
-
-
-def _load_chat_templates(directory: Path, config: Mapping[str, Any]) -> ChatTemplates | None:
-    # The same precedence as transformers: template files beside the tokenizer override the config's entry.
-    templates: dict[str, str] = {}
-    default_file = directory / "chat_template.jinja"
-    if default_file.is_file():
-        templates["default"] = default_file.read_text(encoding="utf-8")
-    extra_dir = directory / "additional_chat_templates"
-    if extra_dir.is_dir():
-        for file in sorted(extra_dir.glob("*.jinja")):
-            templates[file.stem] = file.read_text(encoding="utf-8")
-    if templates:
-        return templates["default"] if list(templates) == ["default"] else templates
-
-    entry = config.get("chat_template")
-    if entry is None or isinstance(entry, str):
-        return entry
-    if isinstance(entry, list):  # [{"name": "default", "template": "..."}, {"name": "tool_use", ...}]
-        try:
-            return {str(item["name"]): str(item["template"]) for item in entry}
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"{directory / 'tokenizer_config.json'}: 'chat_template' list entries need "
-                             f"'name' and 'template' keys") from e
-    if isinstance(entry, dict):
-        return {str(name): str(template) for name, template in entry.items()}
-    raise ValueError(f"{directory / 'tokenizer_config.json'}: 'chat_template' must be a string, a list or an "
-                     f"object, got {type(entry).__name__}")
 
 
 class Tokenizer:
@@ -148,7 +121,7 @@ class Tokenizer:
             extra_special_tokens=extra_tokens,
             add_bos_token=config.get("add_bos_token"),
             add_eos_token=config.get("add_eos_token"),
-            chat_template=_load_chat_templates(directory, config),
+            chat_template=load_chat_templates(directory, config),
             extra_eos_token_ids=_as_id_list(generation.get("eos_token_id")),
             pad_token_id=pad_ids[0] if pad_ids else None,
             name=str(directory),
