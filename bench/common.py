@@ -190,12 +190,14 @@ _request_ids = itertools.count()
 
 
 def run_engine(engine: Any, prompts: Sequence[Sequence[int]], params: Any) -> list[RequestTiming]:
-    """Submit every prompt at once and step the engine until all are done; per-request timings."""
+    """Submit every prompt at once and step the engine until all are done; per-request timings. `params`: one
+    SamplingParams for all, or a list of one per prompt."""
     ids = [f"bench-{next(_request_ids)}" for _ in prompts]
     timings = {rid: RequestTiming(len(p)) for rid, p in zip(ids, prompts, strict=True)}
+    per_prompt = list(params) if isinstance(params, list | tuple) else [params] * len(prompts)
     t0 = time.perf_counter()
-    for rid, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(rid, prompt, params)
+    for rid, prompt, p in zip(ids, prompts, per_prompt, strict=True):
+        engine.add_request(rid, prompt, p)
     while engine.has_unfinished():
         outputs = engine.step()
         now = time.perf_counter() - t0

@@ -17,6 +17,7 @@ import itertools
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -172,6 +173,8 @@ class StructuredRequests:
         self._pool: ThreadPoolExecutor | None = None
         self._shifts: dict[torch.device, torch.Tensor] = {}
         self.num_masked_rows = 0  # logits rows a grammar mask was applied to (a test sees the engine use them)
+        self.mask_seconds = 0.0  # computing masks, on the background thread
+        self.mask_wait_seconds = 0.0  # the step waiting for them after its forward pass (what overlap did not hide)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -201,7 +204,9 @@ class StructuredRequests:
         executor, num_words = self._executor, self.num_words
 
         def fill() -> None:  # holds `bitmask` alive while llguidance writes through its pointer
+            t0 = time.perf_counter()
             executor.unsafe_compute_mask_ptr(jobs, bitmask.data_ptr(), num_words * 4, bitmask.shape[0])
+            self.mask_seconds += time.perf_counter() - t0
 
         assert self._pool is not None
         return PendingMasks(rows, bitmask, self._pool.submit(fill))
@@ -213,7 +218,9 @@ class StructuredRequests:
         if pending is None:
             return logits
         if pending.done is not None:
+            t0 = time.perf_counter()
             pending.done.result()
+            self.mask_wait_seconds += time.perf_counter() - t0
             pending.done = None
         starts = list(itertools.accumulate(num_rows, initial=0))
         index = torch.tensor([starts[i] for i in pending.rows], dtype=torch.long, device=logits.device)
