@@ -56,6 +56,10 @@ def grammar_source(structured: StructuredOutput) -> str:
 
     matcher = llguidance.LLMatcher
     kind, spec = structured.kind, structured.spec
+    if kind == "json_schema" and spec.strip() in ("true", "false"):  # a boolean schema: anything, or nothing
+        if spec.strip() == "false":
+            raise ValueError("the schema false accepts no value")
+        spec = "{}"
     if kind == "json_schema":
         return matcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
     if kind == "json_object":

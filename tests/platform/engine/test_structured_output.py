@@ -96,6 +96,14 @@ def test_lark_grammar_with_inline_json(llm: LLM) -> None:
         assert isinstance(args, list) and len(args) <= 3 and all(isinstance(a, int) for a in args)
 
 
+def test_the_schema_true_is_any_json(llm: LLM) -> None:
+    outs = llm.generate(PROMPTS, sampled(StructuredOutput("json_schema", "true"), n=4, max_tokens=200))
+    finished = [o for o in outs if o.finish_reason == "stop"]
+    assert finished
+    for out in finished:
+        json.loads(out.text)  # raises unless the whole output is one JSON value
+
+
 def test_json_object_is_an_object(llm: LLM) -> None:
     outs = llm.generate(PROMPTS, sampled(StructuredOutput("json_object"), n=4, max_tokens=200))
     finished = [o for o in outs if o.finish_reason == "stop"]
@@ -124,6 +132,8 @@ def test_the_cache_is_bounded() -> None:
     (StructuredOutput("json_schema", '{"type": "array", "uniqueItems": true}'), "uniqueItems"),
     (StructuredOutput("json_schema", '{"type": "object", "if": {}, "then": {}}'), '"if", "then"'),
     (StructuredOutput("json_schema", '{"$ref": "#/$defs/missing"}'), "/$defs/missing"),
+    (StructuredOutput("json_schema", "false"), "accepts no value"),
+    (StructuredOutput("json_schema", '{"type": "integer", "minimum": 5, "maximum": 1}'), "Unsatisfiable"),
     (StructuredOutput("regex", "[a-z"), "unclosed character class"),
     (StructuredOutput("regex", "(?<=a)b"), "look-around"),
     (StructuredOutput("grammar", "start: undefined_rule"), "unknown name"),
