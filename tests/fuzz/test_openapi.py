@@ -11,9 +11,9 @@ import schemathesis
 from ember_platform.gateway.openapi import openapi_document
 from ember_platform.gateway.protocol import ChatCompletionRequest, CompletionRequest
 
-ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/models/{name}/v1/chat/completions",
-          "/models/{name}/v1/completions", "/models/{name}/v1/models", "/models/{name}/info", "/health",
-          "/openapi.json"}
+ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}",
+          "/models/{name}/v1/chat/completions", "/models/{name}/v1/completions", "/models/{name}/v1/models",
+          "/models/{name}/v1/models/{model}", "/models/{name}/info", "/health", "/openapi.json"}
 
 
 def test_openapi_json_is_served_without_a_key_and_nothing_else_is(gateway: Any) -> None:

@@ -43,7 +43,8 @@ def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     if first.logprobs is not None or then.logprobs is not None:
         logprobs = [*(first.logprobs or ()), *(then.logprobs or ())]
     return RequestOutput(first.request_id, first.new_token_ids + then.new_token_ids, first.new_text + then.new_text,
-                         then.finished, then.finish_reason, then.stop_reason, then.usage, logprobs, then.error)
+                         then.finished, then.finish_reason, then.stop_reason, then.usage, logprobs, then.error,
+                         first.prompt_logprobs or then.prompt_logprobs)
 
 
 class _OutputStream:

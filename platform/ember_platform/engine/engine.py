@@ -32,7 +32,7 @@ from ember_platform.engine.lora import check_adapter_name
 from ember_platform.engine.lora_manager import LoRAManager, UnknownLoRAError
 from ember_platform.engine.outputs import RequestOutput, Usage
 from ember_platform.engine.request import Request, RequestStatus
-from ember_platform.engine.sampler import Sampler, make_generator
+from ember_platform.engine.sampler import Sampler, TokenLogprobs, make_generator
 from ember_platform.engine.sampling_params import SamplingParams
 from ember_platform.engine.scheduler import Scheduler
 from ember_platform.engine.spec_decode import SpecDecoder
@@ -308,17 +308,19 @@ class LLMEngine:
         if self.sleeping:  # a request is what wakes a sleeping engine
             self.wake()
         req = Request(request_id, ids, params, next(self._arrivals), lora_name=lora_name, cache_salt=cache_salt,
-                      prefill_leader=self._prefill_leader(share_prefill_with, ids, lora_name, cache_salt))
+                      prefill_leader=self._prefill_leader(share_prefill_with, ids, params, lora_name, cache_salt),
+                      prompt_logprobs=params.prompt_logprobs is not None)
         stop = StopStringMatcher(params.stop) if params.stop else None
         self._states[request_id] = RequestState(IncrementalDetokenizer(self.tokenizer, ids), stop,
                                                  make_generator(params.seed, self.device))
         self.scheduler.add(req)
         return req
 
-    def _prefill_leader(self, request_id: str | None, ids: list[int], lora_name: str | None,
+    def _prefill_leader(self, request_id: str | None, ids: list[int], params: SamplingParams, lora_name: str | None,
                         cache_salt: str | None) -> Request | None:
         leader = self.scheduler.requests.get(request_id) if request_id is not None else None
         if (leader is None or not self.kv.enable_prefix_caching or (len(ids) - 1) // self.block_size < 1
+                or params.prompt_logprobs is not None or leader.params.prompt_logprobs is not None  # cache bypassed
                 or leader.prompt_token_ids != ids or (leader.lora_name, leader.cache_salt) != (lora_name, cache_salt)):
             return None  # nothing to share: no cache, no whole block, or not the same prompt after all
         return leader
@@ -379,6 +381,10 @@ class LLMEngine:
         self._forward_failures = 0
         draft_probs = spec.take_draft_probs(sampled) if spec is not None else [None] * len(sampled)
         logits, grammar_failed = result.logits, False
+        if plan.prompt_logprob_rows:  # their rows follow the sampled ones
+            num_sampled_rows = sum(plan.num_sample_rows)
+            self._record_prompt_logprobs(batch.requests, plan, logits[num_sampled_rows:])
+            logits = logits[:num_sampled_rows]
         try:
             logits = self.structured.apply(masks, logits, plan.num_sample_rows)
         except Exception:
@@ -423,6 +429,29 @@ class LLMEngine:
         if spec is not None:
             self._propose(spec, batch.requests, plan, result, [num_accepted[i] for i in range(len(batch.requests))])
         return outputs
+
+    def _record_prompt_logprobs(self, batch: list[Request], plan: StepPlan, logits: torch.Tensor) -> None:
+        """Each prompt position's logprob of the prompt token after it, with the top alternatives (raw model
+        distribution, like sampled tokens' logprobs). Positions already recorded (before a preemption) are skipped."""
+        logprobs = logits.float().log_softmax(dim=-1)
+        row = 0
+        for i, first, count in plan.prompt_logprob_rows:
+            req = batch[i]
+            rows = logprobs[row:row + count]
+            row += count
+            state = self._states.get(req.request_id)
+            if state is None or first + count <= len(state.prompt_logprobs):
+                continue
+            targets = torch.tensor(req.prompt_token_ids[first + 1:first + 1 + count], device=rows.device)
+            chosen = rows.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+            k = req.params.prompt_logprobs or 0
+            top_lps, top_ids = rows.topk(k, dim=-1) if k else (None, None)
+            top_ids_list = top_ids.tolist() if top_ids is not None else None
+            top_lps_list = top_lps.tolist() if top_lps is not None else None
+            for j in range(len(state.prompt_logprobs) - first, count):
+                top = list(zip(top_ids_list[j], top_lps_list[j], strict=True)) if top_ids_list and top_lps_list \
+                    else []
+                state.prompt_logprobs.append(TokenLogprobs(int(targets[j]), chosen[j], top))
 
     def _propose(self, spec: SpecDecoder, batch: list[Request], plan: StepPlan, result: StepOutput,
                  num_accepted: list[int]) -> None:
@@ -497,8 +526,10 @@ class LLMEngine:
             self.scheduler.finish(req, status)
             self._release(req.request_id)
         logprobs = state.logprobs[-len(accepted):] if state.logprobs and req.params.logprobs is not None else None
+        first_output = len(req.output_token_ids) == len(accepted)
+        prompt_logprobs = state.prompt_logprobs if first_output and p.prompt_logprobs is not None else None
         return RequestOutput(req.request_id, accepted, text, status is not None, req.finish_reason, req.stop_reason,
-                             self._usage(req), logprobs)
+                             self._usage(req), logprobs, prompt_logprobs=prompt_logprobs)
 
     def _finish_output(self, req: Request, tokens: list[int]) -> RequestOutput:
         self._states.pop(req.request_id, None)

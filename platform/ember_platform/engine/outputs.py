@@ -31,6 +31,8 @@ class RequestOutput:
     usage: Usage
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
     error: str | None = None  # with finish_reason "error": what failed (the engine itself goes on)
+    # With params.prompt_logprobs, on the request's first output: one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)

@@ -32,12 +32,12 @@ class Request:
 
     __slots__ = ("_extra", "arrival", "block_hashes", "block_ids", "cache_salt", "finish_reason",
                  "lora_name", "num_cached_tokens", "num_computed_tokens", "num_preemptions",
-                 "output_token_ids", "params", "prefill_leader", "prompt_token_ids", "request_id", "spec_token_ids",
-                 "status", "stop_reason")
+                 "output_token_ids", "params", "prefill_leader", "prompt_logprobs", "prompt_token_ids", "request_id",
+                 "spec_token_ids", "status", "stop_reason")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
                  *, lora_name: str | None = None, cache_salt: str | None = None,
-                 prefill_leader: Request | None = None) -> None:
+                 prefill_leader: Request | None = None, prompt_logprobs: bool = False) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -58,6 +58,8 @@ class Request:
         # A sibling (same prompt, adapter and salt: one of a request's n choices) whose prefill this one waits for,
         # so that it reads the prompt's full blocks from the prefix cache instead of computing them again.
         self.prefill_leader = prefill_leader
+        # Its prompt's logprobs are wanted: every prompt position's logits, so nothing is read from the prefix cache.
+        self.prompt_logprobs = prompt_logprobs
 
     @property
     def num_prompt_tokens(self) -> int:

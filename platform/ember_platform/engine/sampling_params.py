@@ -133,6 +133,9 @@ class SamplingParams:
     structured: StructuredOutput | None = None  # constrain the output to a schema / regex / grammar / choice
     # Added to the logits of these token ids before sampling; normalized to a tuple of (id, bias) sorted by id.
     logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] | None = None
+    # The logprob of each prompt token after the first (given the ones before it) and this many alternatives; the
+    # whole prompt is then computed (never read from the prefix cache), as those logits are needed.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalized values are written once, here
@@ -207,6 +210,12 @@ class SamplingParams:
             raise _fail("structured", "a StructuredOutput (or null)", self.structured)
 
         set_(self, "logit_bias", _logit_bias(self.logit_bias))
+
+        if self.prompt_logprobs is not None:
+            prompt_logprobs = _integer("prompt_logprobs", self.prompt_logprobs, f"in [0, {MAX_LOGPROBS}] (or null)")
+            if not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+                raise _fail("prompt_logprobs", f"in [0, {MAX_LOGPROBS}] (or null)", self.prompt_logprobs)
+            set_(self, "prompt_logprobs", prompt_logprobs)
 
     @property
     def greedy(self) -> bool:

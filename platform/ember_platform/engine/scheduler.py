@@ -148,7 +148,8 @@ class Scheduler:
             if req.lora_name is not None and self.lora is not None \
                     and not self._acquire_lora(req, in_use, lora_blocked, batch):
                 continue
-            computed = self.kv.get_computed_blocks(req)
+            # Prompt logprobs need the logits of every prompt position: nothing of the prompt may come from the cache.
+            computed = ([], 0) if req.prompt_logprobs else self.kv.get_computed_blocks(req)
             if computed is None:
                 loading.append(self.waiting.popleft())
                 continue

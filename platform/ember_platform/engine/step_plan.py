@@ -34,6 +34,9 @@ class StepPlan:
     lora_names: list[str | None]  # [B] the adapter each request runs with
     return_hidden_states: bool = False  # the final (normed) hidden state of every token, for a speculator
     aux_layers: tuple[int, ...] = ()  # layers whose input hidden state (the residual stream) to return, all tokens
+    # (batch index, first position, count): prompt positions whose logits give the next prompt token's logprob
+    # (params.prompt_logprobs); their rows follow every sampled row in `sample_rows`, in this order.
+    prompt_logprob_rows: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +66,8 @@ class StepPlan:
         sample_rows: list[int] = []
         sampled: list[int] = []
         num_sample_rows: list[int] = []
+        prompt_rows: list[int] = []
+        prompt_logprob_rows: list[tuple[int, int, int]] = []
         for i, (req, n) in enumerate(zip(requests, num_tokens, strict=True)):
             start = req.num_computed_tokens
             offset = len(input_ids)
@@ -76,6 +81,10 @@ class StepPlan:
             if end > known:
                 input_ids += req.spec_token_ids[:end - known]
             starts.append(start)
+            if req.prompt_logprobs and start < prompt - 1:
+                last = min(end, prompt - 1)  # position prompt - 1 predicts the first output token: sampled
+                prompt_rows.extend(range(offset, offset + last - start))
+                prompt_logprob_rows.append((i, start, last - start))
             if end >= known:  # reaches the newest token: sample it (and verify any drafts)
                 first = known - 1 - start
                 sample_rows.extend(range(offset + first, offset + n))
@@ -101,13 +110,14 @@ class StepPlan:
             query_lens=query_lens,
             seq_lens=[s + n for s, n in zip(starts, query_lens, strict=True)],
             block_tables=tables,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long),
+            sample_rows=torch.tensor(sample_rows + prompt_rows, dtype=torch.long),
             sampled=sampled,
             num_sample_rows=num_sample_rows,
             spec_token_ids=[list(r.spec_token_ids) for r in requests],
             lora_names=[r.lora_name for r in requests],
             return_hidden_states=return_hidden_states,
             aux_layers=tuple(aux_layers),
+            prompt_logprob_rows=prompt_logprob_rows,
         )
 
 

@@ -29,6 +29,7 @@ class RequestState:
     stop: StopStringMatcher | None
     generator: torch.Generator | None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt positions 1.. computed so far
 
 
 class StepSampler:

@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import httpx
@@ -133,9 +133,11 @@ class Gateway:
             Route("/ready", self.ready, methods=["GET"]),
             Route("/metrics", self.metrics_page, methods=["GET"]),
             Route("/v1/models", self.list_models, methods=["GET"]),
+            Route("/v1/models/{model}", self.retrieve_model, methods=["GET"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/models/{name}/v1/models", self.list_models, methods=["GET"]),
+            Route("/models/{name}/v1/models/{model}", self.retrieve_model, methods=["GET"]),
             Route("/models/{name}/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/models/{name}/v1/completions", self.completions, methods=["POST"]),
             Route("/models/{name}/info", self.info, methods=["GET"]),
@@ -169,16 +171,17 @@ class Gateway:
     async def list_models(self, request: Request) -> Response:
         name = request.path_params.get("name")
         deployments = [self._deployment(name, name)] if name else self.plane.list()
-        data = []
-        for dep in deployments:
-            data.append({"id": dep.name, "object": "model", "created": int(dep.created_at), "owned_by": "ember",
-                         "root": dep.name, "parent": None, "version": dep.active_version,
-                         "max_model_len": dep.active.manifest.runtime.max_model_len})
-            for adapter in dep.active.manifest.lora:
-                data.append({"id": f"{dep.name}:{adapter.name}", "object": "model", "created": int(dep.created_at),
-                             "owned_by": "ember", "root": dep.name, "parent": dep.name,
-                             "version": dep.active_version})
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": _model_objects(deployments)})
+
+    async def retrieve_model(self, request: Request) -> Response:
+        """GET /v1/models/{model}: one model object of the list (a deployment, or NAME:ADAPTER), else a 404."""
+        model, name = request.path_params["model"], request.path_params.get("name")
+        deployments = [self._deployment(name, name)] if name else self.plane.list()
+        objects = _model_objects(deployments)
+        for obj in objects:
+            if obj["id"] == model:
+                return JSONResponse(obj)
+        raise model_not_found(model, (obj["id"] for obj in objects))
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, "/v1/chat/completions", "chat.completions")
@@ -329,6 +332,19 @@ def control_error(e: ControlError, *, model: str | None = None) -> ProtocolError
 async def _read_body(request: Request) -> bytes:
     # A 413 as an OpenAI error object (Starlette's own max_body_size answers in plain text), before reading it all.
     return await request_body.read_body(request, request.app.state.max_body_bytes)
+
+
+def _model_objects(deployments: Iterable[Deployment]) -> list[dict[str, Any]]:
+    """OpenAI's model objects of /v1/models: each deployment, then its LoRA adapters as NAME:ADAPTER."""
+    data = []
+    for dep in deployments:
+        data.append({"id": dep.name, "object": "model", "created": int(dep.created_at), "owned_by": "ember",
+                     "root": dep.name, "parent": None, "version": dep.active_version,
+                     "max_model_len": dep.active.manifest.runtime.max_model_len})
+        for adapter in dep.active.manifest.lora:
+            data.append({"id": f"{dep.name}:{adapter.name}", "object": "model", "created": int(dep.created_at),
+                         "owned_by": "ember", "root": dep.name, "parent": dep.name, "version": dep.active_version})
+    return data
 
 
 def _check_fan_out(payload: dict[str, Any]) -> None:

@@ -88,19 +88,24 @@ def _generation(model: type[BaseModel], summary: str, per_model: bool) -> dict[s
 
 
 def _get(summary: str, schema: dict[str, Any], *errors: int, per_model: bool = False,
-         open_route: bool = False) -> dict[str, Any]:
+         open_route: bool = False, path: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     operation: dict[str, Any] = {
         "summary": summary,
         "responses": {"200": {"description": summary, "content": {"application/json": {"schema": schema}}},
                       **_errors(*errors)},
     }
-    if per_model:
-        operation["parameters"] = [_MODEL_NAME]
+    if per_model or path:
+        operation["parameters"] = ([_MODEL_NAME] if per_model else []) + (path or [])
     if open_route:
         operation["security"] = []
     return {"get": operation}
 
 
+_MODEL_ID = {"name": "model", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1},
+             "description": "A model id as /v1/models lists it."}
+_MODEL = {"type": "object", "required": ["id", "object", "created", "owned_by"],
+          "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                         "owned_by": {"type": "string"}}}
 _MODEL_LIST = {"type": "object", "required": ["object", "data"],
                "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _OBJECT}}}
 
@@ -125,10 +130,14 @@ def openapi_document() -> dict[str, Any]:
             "/v1/chat/completions": _generation(ChatCompletionRequest, chat, per_model=False),
             "/v1/completions": _generation(CompletionRequest, completion, per_model=False),
             "/v1/models": _get("The deployed models and their LoRA adapters", _MODEL_LIST, 401),
+            "/v1/models/{model}": _get("One model (a deployment, or NAME:ADAPTER for a LoRA adapter)", _MODEL, 401,
+                                       404, path=[_MODEL_ID]),
             "/models/{name}/v1/chat/completions": _generation(ChatCompletionRequest, chat, per_model=True),
             "/models/{name}/v1/completions": _generation(CompletionRequest, completion, per_model=True),
             "/models/{name}/v1/models": _get("One deployed model and its adapters", _MODEL_LIST, 401, 404,
                                              per_model=True),
+            "/models/{name}/v1/models/{model}": _get("One model of this deployment (itself or NAME:ADAPTER)", _MODEL,
+                                                     401, 404, per_model=True, path=[_MODEL_ID]),
             "/models/{name}/info": _get("A model's version, digest, chosen techniques and cold-start timings",
                                         _OBJECT, 401, 404, per_model=True),
             "/health": _get("Liveness", {"type": "object", "required": ["status"],

@@ -11,6 +11,7 @@ working; `ignored_fields` lists them for the gateway to log.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -32,6 +33,7 @@ from pydantic_core import PydanticCustomError
 from ember.errors import EmberError
 from ember_platform.engine.sampling_params import SamplingParams, SamplingParamsError
 from ember_platform.gateway import request_body
+from ember_platform.gateway.choices import MAX_CHOICES
 from ember_platform.gateway.errors import (
     ProtocolError,
     context_length_exceeded,
@@ -272,15 +274,33 @@ class GenerationRequest(ConstraintFields):
     def _openai_param(self, field: str) -> str:
         return field
 
+    @property
+    def num_choices(self) -> int:
+        """Choices returned per prompt (`n`)."""
+        return 1 if self.n is None else self.n
+
+    @property
+    def num_candidates(self) -> int:
+        """Sequences generated per prompt (`best_of` where the endpoint has it, else `n`)."""
+        return self.num_choices
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """`logit_bias` with its keys (token ids, as strings in JSON) as ints; 400 naming the field otherwise."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isascii() or not key.isdigit():
+                shown = repr(key) if len(key) <= 40 else repr(key[:40] + "...")
+                raise invalid_request("logit_bias", f"Invalid 'logit_bias': keys must be token ids (decimal "
+                                                    f"integers >= 0), got {shown}.")
+            bias[int(key)] = value
+        return bias
+
     def check(self) -> None:
         """Refuse what Ember does not serve and what only makes sense together; validate the sampling settings."""
-        if self.n is not None and self.n != 1:
-            if self.n < 1:
-                raise invalid_request("n", f"Invalid 'n': it must be >= 1, got {self.n}.")
-            raise unsupported("n", f"n={self.n} is not supported: Ember returns one choice per request. "
-                                   f"Send {self.n} requests (with different seeds) instead.")
-        if self.logit_bias:
-            raise unsupported("logit_bias", "logit_bias is not supported by Ember; send it empty or leave it out.")
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise invalid_request("n", f"Invalid 'n': it must be in [1, {MAX_CHOICES}], got {self.n}.")
         if self.stream_options is not None and not self.stream:
             raise invalid_request("stream_options", "stream_options is only allowed when 'stream' is true.")
         parse_model_name(self.model)
@@ -297,6 +317,7 @@ class GenerationRequest(ConstraintFields):
             "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "seed": self.seed, "min_tokens": self.min_tokens,
             "stop": self.stop, "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
+            "logit_bias": self.token_logit_bias(),
         }
         kwargs = {name: value for name, value in values.items() if value is not None}
         kwargs["max_tokens"] = requested if requested is not None else self._default_max_tokens(default_max_tokens)
@@ -321,6 +342,10 @@ class GenerationRequest(ConstraintFields):
             if outside:
                 raise invalid_request("stop_token_ids", f"Invalid 'stop_token_ids': token ids must be in "
                                                         f"[0, {vocab_size}), got {outside[0]}.")
+            biased = [i for i in self.token_logit_bias() or () if i >= vocab_size]
+            if biased:
+                raise invalid_request("logit_bias", f"Invalid 'logit_bias': token ids must be in [0, {vocab_size}), "
+                                                    f"got {biased[0]}.")
         room = max_model_len - num_prompt_tokens
         requested = self.requested_max_tokens
         if room < 1 or (requested is not None and requested > room):
@@ -455,6 +480,23 @@ class CompletionRequest(GenerationRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def num_candidates(self) -> int:
+        return self.num_choices if self.best_of is None else self.best_of
+
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        params = super().to_sampling_params(default_max_tokens)
+        if self.echo and self.logprobs is not None:  # the echoed prompt's tokens get logprobs too
+            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        return params
+
+    def candidate_params(self, params: SamplingParams) -> SamplingParams:
+        """The engine's settings for each candidate: with best_of > n they must report their tokens' logprobs (which
+        pick the best), whether or not the client asked for logprobs."""
+        if self.num_candidates > self.num_choices and params.logprobs is None:
+            return dataclasses.replace(params, logprobs=0)
+        return params
+
     def _default_max_tokens(self, room: int | None) -> int | None:
         # Absent max_tokens means OpenAI's 16; an explicit null means "up to the context", as in vLLM.
         if "max_tokens" in self.model_fields_set:
@@ -462,13 +504,22 @@ class CompletionRequest(GenerationRequest):
         return COMPLETION_DEFAULT_MAX_TOKENS if room is None else min(COMPLETION_DEFAULT_MAX_TOKENS, room)
 
     def check(self) -> None:
-        if self.echo:
-            raise unsupported("echo", "echo is not supported by Ember: the completion is returned without the prompt.")
         if self.suffix:
             raise unsupported("suffix", "suffix (insertion) is not supported by Ember.")
-        if self.best_of is not None and self.best_of != 1:
-            raise unsupported("best_of", f"best_of={self.best_of} is not supported: Ember samples one sequence.")
         super().check()
+        if self.best_of is not None:
+            if not self.num_choices <= self.best_of <= MAX_CHOICES:
+                raise invalid_request("best_of", f"Invalid 'best_of': it must be in [n, {MAX_CHOICES}] (n is "
+                                                 f"{self.num_choices}), got {self.best_of}.")
+            if self.stream and self.best_of > self.num_choices:
+                raise invalid_request("best_of", "Invalid 'best_of': best_of greater than n cannot be streamed (the "
+                                                 "best candidates are known only at the end). Send stream false.")
+        engine_requests = len(self.prompts()) * self.num_candidates
+        if engine_requests > MAX_PROMPTS:
+            field = "best_of" if self.best_of is not None and self.best_of > self.num_choices else "n"
+            raise invalid_request(field, f"Invalid '{field}': {len(self.prompts())} prompt(s) x "
+                                         f"{self.num_candidates} sequences each is {engine_requests} sequences, "
+                                         f"more than {MAX_PROMPTS} per request ({MAX_PROMPTS_ENV} sets the limit).")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a batch: each item a text or a list of token ids, one choice per item."""

@@ -3,10 +3,14 @@
 Engine outputs are `RequestOutput`s (or anything with the same attributes); each carries one step's new text, the
 usage so far, and one `TokenLogprobs` per new token when logprobs were asked for. Token strings for logprobs come
 from `token_text(id)`, the caller's decode of one id.
+
+With several choices per prompt (`n`, `best_of`), generations come prompt by prompt, `candidates` per prompt
+(gateway/choices.py): usage counts each prompt's tokens once and every candidate's completion tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -15,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ember_platform.gateway.choices import best_of
 from ember_platform.gateway.errors import request_aborted
 
 if TYPE_CHECKING:  # the engine's modules import torch; these are only read here, by attribute
@@ -51,10 +56,13 @@ def usage_object(prompt_tokens: int, completion_tokens: int, cached_tokens: int 
     }
 
 
-def _total_usage(usages: Iterable[Usage | None]) -> dict[str, Any]:
-    present = [u for u in usages if u is not None]
-    return usage_object(sum(u.prompt_tokens for u in present), sum(u.completion_tokens for u in present),
-                        sum(u.cached_tokens for u in present))
+def _total_usage(usages: Iterable[Usage | None], candidates: int = 1) -> dict[str, Any]:
+    """Usage of a whole response: `usages` in item order, `candidates` consecutive items per prompt. A prompt is
+    counted once (its first candidate's: the one that computed it), completion tokens of every candidate."""
+    items = list(usages)
+    prompts = [u for u in items[::candidates] if u is not None]
+    return usage_object(sum(u.prompt_tokens for u in prompts), sum(u.completion_tokens for u in items if u),
+                        sum(u.cached_tokens for u in prompts))
 
 
 def _finite(logprob: float) -> float:
@@ -85,18 +93,26 @@ def chat_logprobs(logprobs: Iterable[TokenLogprobs], token_text: TokenText) -> d
     ]}
 
 
-def completion_logprobs(logprobs: Iterable[TokenLogprobs], token_text: TokenText,
-                        text_offset: int = 0) -> tuple[dict[str, Any], int]:
+def completion_logprobs(logprobs: Iterable[TokenLogprobs], token_text: TokenText, text_offset: int = 0, *,
+                        first_token_id: int | None = None) -> tuple[dict[str, Any], int]:
     """The completions API's `choice.logprobs`, and the text offset after its last token.
 
     `top_logprobs` maps token strings to logprobs: the top alternatives plus the sampled token, as OpenAI's
     legacy API does (so up to logprobs+1 entries). Offsets count characters of the token strings from
-    `text_offset` (the start of the completion: the prompt is never echoed).
+    `text_offset` (the start of the choice's text). With `echo`, `logprobs` start with the prompt's (tokens 2..)
+    and `first_token_id` is the prompt's first token, which has no logprob (null), as at OpenAI.
     """
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
     offsets: list[int] = []
+    if first_token_id is not None:
+        token = token_text(first_token_id)
+        tokens.append(token)
+        token_logprobs.append(None)
+        top_logprobs.append(None)
+        offsets.append(text_offset)
+        text_offset += len(token)
     for lp in logprobs:
         token = token_text(lp.token_id)
         tokens.append(token)
@@ -120,6 +136,7 @@ class Generation:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with echo and logprobs
 
     @classmethod
     def collect(cls, outputs: Iterable[RequestOutput]) -> Generation:
@@ -132,6 +149,8 @@ class Generation:
         self.text_parts.append(output.new_text)
         if output.logprobs:
             self.logprobs.extend(output.logprobs)
+        if getattr(output, "prompt_logprobs", None) is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         self.usage = output.usage  # the engine's usage is the running total
         if output.finished:
             self.finish_reason = output.finish_reason
@@ -156,38 +175,50 @@ def chat_message(text: str, finish_reason: str, tool_parser: ToolParser | None =
     return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
 
-def chat_completion(generation: Generation, *, model: str, token_text: TokenText, logprobs: bool = False,
-                    completion_id: str | None = None, created: int | None = None,
+def chat_completion(generations: Generation | Sequence[Generation], *, model: str, token_text: TokenText,
+                    logprobs: bool = False, completion_id: str | None = None, created: int | None = None,
                     tool_parser: ToolParser | None = None) -> dict[str, Any]:
-    """A `chat.completion` object for one finished request. Raises ProtocolError (503) if it was aborted."""
-    message, finish_reason = chat_message(generation.text, _openai_finish_reason(generation.finish_reason),
-                                          tool_parser)
+    """A `chat.completion` object: one choice per generation (the n choices of its one prompt). Raises
+    ProtocolError (503) if one was aborted."""
+    if isinstance(generations, Generation):
+        generations = [generations]
+    choices = []
+    for index, generation in enumerate(generations):
+        message, finish_reason = chat_message(generation.text, _openai_finish_reason(generation.finish_reason),
+                                              tool_parser)
+        choices.append({
+            "index": index,
+            "message": message,
+            "logprobs": chat_logprobs(generation.logprobs, token_text) if logprobs else None,
+            "finish_reason": finish_reason,
+        })
     return {
         "id": completion_id or new_chat_completion_id(),
         "object": "chat.completion",
         "created": int(time.time()) if created is None else created,
         "model": model,
-        "choices": [{
-            "index": 0,
-            "message": message,
-            "logprobs": chat_logprobs(generation.logprobs, token_text) if logprobs else None,
-            "finish_reason": finish_reason,
-        }],
-        "usage": _total_usage([generation.usage]),
+        "choices": choices,
+        "usage": _total_usage([g.usage for g in generations], len(generations)),
     }
 
 
 def text_completion(generations: Sequence[Generation], *, model: str, token_text: TokenText,
-                    logprobs: bool = False, completion_id: str | None = None,
-                    created: int | None = None) -> dict[str, Any]:
-    """A `text_completion` object: one choice per prompt of the batch, usage summed over them."""
+                    logprobs: bool = False, completion_id: str | None = None, created: int | None = None,
+                    candidates: int = 1, n: int | None = None, echo: Sequence[str] | None = None,
+                    echo_first_tokens: Sequence[int] | None = None) -> dict[str, Any]:
+    """A `text_completion` object: `candidates` generations per prompt of the batch, of which the `n` (default: all)
+    most likely are the choices, numbered prompt by prompt; usage sums every candidate's completion tokens.
+    `echo`: each prompt's text, put before its choices' text; with logprobs, `echo_first_tokens` (each prompt's first
+    token id) and the generations' prompt_logprobs give the prompt's tokens their logprobs too."""
+    n = candidates if n is None else n
     choices = []
-    for index, generation in enumerate(generations):
+    for index, generation in enumerate(best_of(generations, candidates, n)):
         finish_reason = _openai_finish_reason(generation.finish_reason)
         choices.append({
-            "text": generation.text,
+            "text": (echo[index // n] if echo is not None else "") + generation.text,
             "index": index,
-            "logprobs": completion_logprobs(generation.logprobs, token_text)[0] if logprobs else None,
+            "logprobs": _choice_logprobs(generation, token_text, echo_first_tokens[index // n]
+                                         if echo_first_tokens is not None else None) if logprobs else None,
             "finish_reason": finish_reason,
         })
     return {
@@ -196,8 +227,15 @@ def text_completion(generations: Sequence[Generation], *, model: str, token_text
         "created": int(time.time()) if created is None else created,
         "model": model,
         "choices": choices,
-        "usage": _total_usage(g.usage for g in generations),
+        "usage": _total_usage([g.usage for g in generations], candidates),
     }
+
+
+def _choice_logprobs(generation: Generation, token_text: TokenText, first_token_id: int | None) -> dict[str, Any]:
+    if first_token_id is None:
+        return completion_logprobs(generation.logprobs, token_text)[0]
+    return completion_logprobs([*(generation.prompt_logprobs or ()), *generation.logprobs], token_text,
+                               first_token_id=first_token_id)[0]
 
 
 class _Stream:
@@ -206,8 +244,9 @@ class _Stream:
     object_name: str
 
     def __init__(self, *, model: str, token_text: TokenText, include_usage: bool = False, logprobs: bool = False,
-                 completion_id: str, created: int | None = None, num_choices: int = 1) -> None:
+                 completion_id: str, created: int | None = None, num_choices: int = 1, n: int = 1) -> None:
         self.id = completion_id
+        self.n = n  # consecutive choices per prompt: usage counts each prompt once
         self.model = model
         self.created = int(time.time()) if created is None else created
         self.token_text = token_text
@@ -244,7 +283,8 @@ class _Stream:
             if len(self._finished) == self.num_choices:
                 self.done = True
                 if self.include_usage:
-                    chunks.append({**self._chunk([]), "usage": _total_usage(self._usage.values())})
+                    usages = [self._usage.get(i) for i in range(self.num_choices)]
+                    chunks.append({**self._chunk([]), "usage": _total_usage(usages, self.n)})
         return chunks
 
     def _text_choices(self, index: int, text: str, logprobs: Sequence[TokenLogprobs]) -> list[dict[str, Any]]:
@@ -263,9 +303,10 @@ class _Stream:
 class ChatStream(_Stream):
     """`chat.completion.chunk`s as OpenAI streams them.
 
-    A first chunk with delta {"role": "assistant", "content": ""}; a content chunk per engine step that produced
-    text; a chunk with an empty delta and the finish_reason; with include_usage, a last chunk with `choices: []`
-    and the usage (every other chunk then carries `"usage": null`).
+    A first chunk per choice with delta {"role": "assistant", "content": ""}; a content chunk per engine step that
+    produced text; a chunk with an empty delta and the finish_reason; with include_usage, a last chunk with
+    `choices: []` and the usage (every other chunk then carries `"usage": null`). With n choices each chunk carries
+    one, named by its index.
 
     With a `tool_parser`, the text goes through a `ToolCallStream` per choice: content chunks for text, a chunk
     per tool-call delta (the call's opening, then its arguments' fragments), never call markup as content; a
@@ -275,25 +316,28 @@ class ChatStream(_Stream):
     object_name = "chat.completion.chunk"
 
     def __init__(self, *, model: str, token_text: TokenText, include_usage: bool = False, logprobs: bool = False,
-                 completion_id: str | None = None, created: int | None = None,
+                 completion_id: str | None = None, created: int | None = None, n: int = 1,
                  tool_parser: ToolParser | None = None) -> None:
         super().__init__(model=model, token_text=token_text, include_usage=include_usage, logprobs=logprobs,
-                         completion_id=completion_id or new_chat_completion_id(), created=created)
+                         completion_id=completion_id or new_chat_completion_id(), created=created, num_choices=n,
+                         n=n)
         self._started = False
         self.tool_parser = tool_parser
         self._tool_streams: dict[int, ToolCallStream] = {}
 
     def start(self) -> list[dict[str, Any]]:
-        """The role chunk, once; `add` sends it first if this was not called (call it to flush headers early)."""
+        """The role chunks, once; `add` sends them first if this was not called (call it to flush headers early)."""
         if self._started:
             return []
         self._started = True
-        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])]
+        return [self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]) for index in range(self.num_choices)]
 
-    def add(self, output: RequestOutput) -> list[dict[str, Any]]:
-        """The chunks (maybe none) that one engine output adds to the stream."""
-        return self.start() + self._step(output, 0)
+    def add(self, output: RequestOutput, index: int = 0) -> list[dict[str, Any]]:
+        """The chunks (maybe none) that one engine output of choice `index` adds to the stream."""
+        if not 0 <= index < self.num_choices:
+            raise IndexError(f"choice index {index} out of range for {self.num_choices} choices")
+        return self.start() + self._step(output, index)
 
     def _content_choice(self, index: int, text: str, logprobs: Sequence[TokenLogprobs]) -> dict[str, Any]:
         return {"index": index, "delta": {"content": text},
@@ -334,29 +378,42 @@ class CompletionStream(_Stream):
     """Streamed `text_completion` objects as OpenAI sends them.
 
     A chunk per engine step that produced text; a chunk with text "" and the finish_reason per choice; with
-    include_usage, a last chunk with `choices: []` and the usage summed over the choices (one per prompt).
+    include_usage, a last chunk with `choices: []` and the usage summed over the choices (`n` per prompt: choice
+    `prompt * n + j`). `echo`: per choice, the prompt text its first chunk starts with.
     """
 
     object_name = "text_completion"
 
     def __init__(self, *, model: str, token_text: TokenText, include_usage: bool = False, logprobs: bool = False,
-                 completion_id: str | None = None, created: int | None = None, num_choices: int = 1) -> None:
+                 completion_id: str | None = None, created: int | None = None, num_choices: int = 1, n: int = 1,
+                 echo: Sequence[str] | None = None, echo_first_tokens: Sequence[int] | None = None) -> None:
         super().__init__(model=model, token_text=token_text, include_usage=include_usage, logprobs=logprobs,
                          completion_id=completion_id or new_completion_id(), created=created,
-                         num_choices=num_choices)
+                         num_choices=num_choices, n=n)
         self._text_offsets = [0] * num_choices
+        self._echo = list(echo) if echo is not None else None
+        # Per choice: its prompt's first token, for the first chunk's logprobs (echo with logprobs); None once sent.
+        self._first_tokens: list[int | None] = list(echo_first_tokens) if echo_first_tokens is not None \
+            else [None] * num_choices
 
     def add(self, output: RequestOutput, index: int = 0) -> list[dict[str, Any]]:
-        """The chunks (maybe none) that one engine output of choice `index` (its prompt's place) adds."""
+        """The chunks (maybe none) that one engine output of choice `index` (`prompt * n + j`) adds."""
         if not 0 <= index < self.num_choices:
             raise IndexError(f"choice index {index} out of range for {self.num_choices} choices")
+        if self._echo is not None and self._echo[index] and output.finish_reason != "abort":
+            prompt_logprobs = getattr(output, "prompt_logprobs", None) if self.logprobs else None
+            logprobs = output.logprobs if prompt_logprobs is None else [*prompt_logprobs, *(output.logprobs or ())]
+            output = dataclasses.replace(output, new_text=self._echo[index] + output.new_text, logprobs=logprobs)
+            self._echo[index] = ""  # sent: only the first chunk of the choice carries the prompt
         return self._step(output, index)
 
     def _content_choice(self, index: int, text: str, logprobs: Sequence[TokenLogprobs]) -> dict[str, Any]:
         choice_logprobs = None
         if self.logprobs:
+            first, self._first_tokens[index] = self._first_tokens[index], None
             choice_logprobs, self._text_offsets[index] = completion_logprobs(logprobs, self.token_text,
-                                                                             self._text_offsets[index])
+                                                                             self._text_offsets[index],
+                                                                             first_token_id=first)
         return {"text": text, "index": index, "logprobs": choice_logprobs, "finish_reason": None}
 
     def _finish_choice(self, index: int, finish_reason: str) -> dict[str, Any]:

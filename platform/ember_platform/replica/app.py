@@ -32,6 +32,7 @@ from ember.postprocess import OutputHookError, OutputPipeline
 from ember_platform.engine.config import resolve_source
 from ember_platform.engine.sampling_params import SamplingParams
 from ember_platform.gateway import request_body
+from ember_platform.gateway.choices import fan_out
 from ember_platform.gateway.errors import (
     ProtocolError,
     invalid_request,
@@ -236,8 +237,10 @@ class Replica:
     # --- generation -------------------------------------------------------------------------
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, *,
-                       cache_salt: str | None = None, lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
-        """One engine request's outputs, with its metrics. Closing the iterator early aborts the request."""
+                       cache_salt: str | None = None, lora_name: str | None = None,
+                       share_prefill_with: str | None = None) -> AsyncIterator[RequestOutput]:
+        """One engine request's outputs, with its metrics. Closing the iterator early aborts the request.
+        `share_prefill_with`: the id of a sibling with the same prompt, whose prefill this one reuses."""
         assert self.async_engine is not None, "generate() before load()"
         start = last = time.perf_counter()
         got_token = False
@@ -246,6 +249,7 @@ class Replica:
         try:
             async with aclosing(self.async_engine.generate(prompt_ids, params, request_id=request_id,
                                                            cache_salt=cache_salt, lora_name=lora_name,
+                                                           share_prefill_with=share_prefill_with,
                                                            interval=self.stream_interval)) as outputs:
                 async for out in outputs:
                     now = time.perf_counter()
@@ -280,10 +284,11 @@ class Replica:
             self.metrics.request_latency.observe(time.perf_counter() - start)
 
     async def generate_many(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], request_id: str,
-                            *, cache_salt: str | None = None,
-                            lora_name: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                            *, cache_salt: str | None = None, lora_name: str | None = None,
+                            leaders: Sequence[int | None] | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run one engine request per prompt concurrently; yield (prompt index, output) as they come.
 
+        `leaders[i]`: the index of an earlier prompt, the same one, whose prefill request i reuses (n choices).
         Closing the iterator early (client gone) aborts every request still running.
         """
         if len(prompts) == 1:  # the common case: no task and queue in between, one hop less per output
@@ -294,11 +299,17 @@ class Replica:
             return
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
+        def sub_id(index: int) -> str:
+            return request_id if len(prompts) == 1 else f"{request_id}-{index}"
+
         async def pump(index: int) -> None:
-            sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+            # Tasks start in creation order, so a leader's engine request is added before its siblings'.
+            leader = leaders[index] if leaders is not None else None
             try:
-                async with aclosing(self.generate(prompts[index], params[index], sub_id,
-                                                  cache_salt=cache_salt, lora_name=lora_name)) as outputs:
+                async with aclosing(self.generate(prompts[index], params[index], sub_id(index),
+                                                  cache_salt=cache_salt, lora_name=lora_name,
+                                                  share_prefill_with=None if leader is None else sub_id(leader),
+                                                  )) as outputs:
                     async for out in outputs:
                         queue.put_nowait((index, out))
             except Exception as e:
@@ -468,6 +479,20 @@ async def _tool_grammar_error(replica: Replica, body: ChatCompletionRequest, rea
     return compile_error("tools", reason)
 
 
+def _echo_texts(replica: Replica, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    """Each prompt as `echo` returns it: a text prompt as sent, token ids decoded."""
+    assert replica.engine is not None
+    return [prompt if isinstance(prompt, str) else replica.engine.tokenizer.decode(ids, skip_special_tokens=False)
+            for prompt, ids in zip(body.prompts(), prompts, strict=True)]
+
+
+def _log_user(body: GenerationRequest, response_id: str) -> None:
+    """OpenAI's `user` (an end user's id, for abuse monitoring) goes to the log with the response id; never into a
+    metric label, where every distinct user would be a series of its own."""
+    if body.user:
+        log.info("%s for user %r", response_id, body.user[:256])
+
+
 def _chat_prompt_ids(replica: Replica, body: ChatCompletionRequest) -> list[int]:
     from ember_platform.engine.text.chat_template import ChatTemplateError
 
@@ -541,11 +566,12 @@ def _server_error(e: Exception) -> ProtocolError:
 
 
 def _output_pipelines(replica: Replica, request: dict[str, Any] | bytes | None, params: Sequence[SamplingParams],
-                      *, stream: bool) -> list[OutputPipeline | None]:
+                      *, stream: bool, wants_logprobs: bool | None = None) -> list[OutputPipeline | None]:
     """One post-processing pipeline per choice (None where no output hook applies: nothing to do).
 
     Per-token logprobs would carry the text before the hooks rewrote it (what a redaction hides), so a request
-    asking for them while hooks apply is refused before anything is generated."""
+    asking for them while hooks apply is refused before anything is generated. `wants_logprobs`: whether the client
+    asked (default: whether `params` do; best_of candidates compute them to pick the best)."""
     if request is None or replica.engine is None:
         return [None] * len(params)
     request_dict = request if isinstance(request, dict) else {}
@@ -556,7 +582,9 @@ def _output_pipelines(replica: Replica, request: dict[str, Any] | bytes | None, 
         log.exception("an output hook failed")
         raise _server_error(e) from None
     first = next((p for p in pipelines if p is not None), None)
-    if first is not None and any(getattr(p, "logprobs", None) is not None for p in params):
+    if wants_logprobs is None:
+        wants_logprobs = any(getattr(p, "logprobs", None) is not None for p in params)
+    if first is not None and wants_logprobs:
         raise invalid_request("logprobs", f"Invalid 'logprobs': this model's output hooks ({', '.join(first.plugins)}) "
                                           "rewrite its text, and per-token logprobs would show it as generated. "
                                           "Send the request without logprobs.", "unsupported_value")
@@ -579,16 +607,19 @@ def _postprocessed(out: RequestOutput, pipeline: OutputPipeline | None, token_id
 
 def _events(replica: Replica, stream: ChatStream | CompletionStream, prompts: list[list[int]],
             params: list[SamplingParams], cache_salt: str | None, adapter: str | None = None,
-            request: dict[str, Any] | bytes | None = None) -> AsyncIterator[bytes]:
+            request: dict[str, Any] | bytes | None = None,
+            leaders: Sequence[int | None] | None = None) -> AsyncIterator[bytes]:
     """The SSE body of a streamed response, its text through the output hooks of `request` (the body the hooks
-    see; None: no hooks). Checked before it starts: a request the hooks cannot serve is refused with its status."""
+    see; None: no hooks). Checked before it starts: a request the hooks cannot serve is refused with its status.
+    One engine request per choice; `leaders` as in `Replica.generate_many`."""
     pipelines = _output_pipelines(replica, request, params, stream=True)
-    return _event_stream(replica, stream, prompts, params, cache_salt, adapter, pipelines)
+    return _event_stream(replica, stream, prompts, params, cache_salt, adapter, pipelines, leaders)
 
 
 async def _event_stream(replica: Replica, stream: ChatStream | CompletionStream, prompts: list[list[int]],
                         params: list[SamplingParams], cache_salt: str | None, adapter: str | None,
-                        pipelines: list[OutputPipeline | None]) -> AsyncIterator[bytes]:
+                        pipelines: list[OutputPipeline | None],
+                        leaders: Sequence[int | None] | None = None) -> AsyncIterator[bytes]:
     """The SSE body; cancelled (client gone) it aborts the engine requests.
 
     One write per engine output (all of its chunks), and the last one carries `[DONE]` too: each write is a send on
@@ -601,12 +632,12 @@ async def _event_stream(replica: Replica, stream: ChatStream | CompletionStream,
     token_ids: list[list[int]] = [[] for _ in prompts]
     try:
         async with aclosing(replica.generate_many(prompts, params, stream.id, cache_salt=cache_salt,
-                                                  lora_name=adapter)) as outputs:
+                                                  lora_name=adapter, leaders=leaders)) as outputs:
             async for index, out in outputs:
                 if pipelines[index] is not None:
                     token_ids[index] += out.new_token_ids
                     out = _postprocessed(out, pipelines[index], token_ids[index])
-                chunks = stream.add(out) if isinstance(stream, ChatStream) else stream.add(out, index)
+                chunks = stream.add(out, index)
                 if stream.done:
                     yield b"".join(map(sse, chunks)) + SSE_DONE
                     return
@@ -620,16 +651,18 @@ async def _event_stream(replica: Replica, stream: ChatStream | CompletionStream,
 
 async def _generate(request: Request, replica: Replica, data: dict[str, Any] | bytes, prompts: list[list[int]],
                     params: list[SamplingParams], response_id: str, cache_salt: str | None, adapter: str | None,
-                    respond: Callable[[list[Generation]], dict[str, Any]]) -> Response:
-    """Run a non-streaming request to the end (or until the client leaves) and build its response."""
+                    respond: Callable[[list[Generation]], dict[str, Any]], *,
+                    leaders: Sequence[int | None] | None = None, wants_logprobs: bool | None = None) -> Response:
+    """Run a non-streaming request to the end (or until the client leaves) and build its response: one engine
+    request per prompt (per choice, `leaders` as in `Replica.generate_many`)."""
     assert replica.engine is not None
-    pipelines = _output_pipelines(replica, data, params, stream=False)
+    pipelines = _output_pipelines(replica, data, params, stream=False, wants_logprobs=wants_logprobs)
 
     async def run() -> tuple[list[Generation], list[list[int]]]:
         generations = [Generation() for _ in prompts]
         token_ids: list[list[int]] = [[] for _ in prompts]
         async with aclosing(replica.generate_many(prompts, params, response_id, cache_salt=cache_salt,
-                                                  lora_name=adapter)) as outputs:
+                                                  lora_name=adapter, leaders=leaders)) as outputs:
             async for index, out in outputs:
                 generations[index].add(out)
                 token_ids[index] += out.new_token_ids
@@ -674,15 +707,20 @@ def create_app(replica: Replica, *, secret: str | None = None) -> Starlette:
         tool_parser = _tool_parser(replica, body)
         params = await _constrain_tool_calls(replica, params, body, tool_parser)
         response_id = new_chat_completion_id()
+        _log_user(body, response_id)
+        choices = fan_out([prompt], [params], body.num_choices)
         if body.stream:
             stream = ChatStream(model=body.model, token_text=replica.token_text, include_usage=body.include_usage,
-                                logprobs=body.wants_logprobs, completion_id=response_id, tool_parser=tool_parser)
-            return _sse_response(_events(replica, stream, [prompt], [params], body.cache_salt, adapter, data))
+                                logprobs=body.wants_logprobs, completion_id=response_id, n=body.num_choices,
+                                tool_parser=tool_parser)
+            return _sse_response(_events(replica, stream, choices.prompts, choices.params, body.cache_salt, adapter,
+                                         data, choices.leaders))
         return await _generate(
-            request, replica, data, [prompt], [params], response_id, body.cache_salt, adapter,
-            lambda generations: chat_completion(generations[0], model=body.model, token_text=replica.token_text,
+            request, replica, data, choices.prompts, choices.params, response_id, body.cache_salt, adapter,
+            lambda generations: chat_completion(generations, model=body.model, token_text=replica.token_text,
                                                 logprobs=body.wants_logprobs, completion_id=response_id,
-                                                tool_parser=tool_parser))
+                                                tool_parser=tool_parser),
+            leaders=choices.leaders)
 
     async def completions(request: Request) -> Response:
         data = await _read_body(request, replica, authenticated=secret is not None)
@@ -690,19 +728,30 @@ def create_app(replica: Replica, *, secret: str | None = None) -> Starlette:
         adapter = _adapter(replica, body)
         prompts = _prompt_ids(replica, body)
         assert replica.engine is not None
-        params = [body.sampling_params_for(len(ids), replica.engine.max_sequence_len, replica.engine.vocab_size)
+        params = [body.candidate_params(body.sampling_params_for(len(ids), replica.engine.max_sequence_len,
+                                                                 replica.engine.vocab_size))
                   for ids in prompts]
         await _compile_constraint(replica, body)
         response_id = new_completion_id()
-        if body.stream:
+        _log_user(body, response_id)
+        echo = _echo_texts(replica, body, prompts) if body.echo else None
+        n, candidates = body.num_choices, body.num_candidates
+        choices = fan_out(prompts, params, candidates)
+        if body.stream:  # best_of > n is refused when streamed: every candidate is a choice
             stream = CompletionStream(model=body.model, token_text=replica.token_text,
                                       include_usage=body.include_usage, logprobs=body.wants_logprobs,
-                                      completion_id=response_id, num_choices=len(prompts))
-            return _sse_response(_events(replica, stream, prompts, params, body.cache_salt, adapter, data))
+                                      completion_id=response_id, num_choices=len(choices.prompts), n=n,
+                                      echo=None if echo is None else [text for text in echo for _ in range(n)],
+                                      echo_first_tokens=[ids[0] for ids in choices.prompts] if echo else None)
+            return _sse_response(_events(replica, stream, choices.prompts, choices.params, body.cache_salt, adapter,
+                                         data, choices.leaders))
         return await _generate(
-            request, replica, data, prompts, params, response_id, body.cache_salt, adapter,
+            request, replica, data, choices.prompts, choices.params, response_id, body.cache_salt, adapter,
             lambda generations: text_completion(generations, model=body.model, token_text=replica.token_text,
-                                                logprobs=body.wants_logprobs, completion_id=response_id))
+                                                logprobs=body.wants_logprobs, completion_id=response_id,
+                                                candidates=candidates, n=n, echo=echo,
+                                                echo_first_tokens=[ids[0] for ids in prompts] if echo else None),
+            leaders=choices.leaders, wants_logprobs=body.wants_logprobs)
 
     async def health(request: Request) -> Response:
         # Alive while loading or draining too; a crashed step loop is the one thing a restart fixes.

@@ -153,3 +153,28 @@ def test_logit_bias_values_and_ids_are_checked(engine) -> None:
         SamplingParams(logit_bias={-1: 1.0})
     with pytest.raises(ValueError, match=r"logit_bias: token ids must be in \[0, 4096\)"):
         engine.add_request("too-far", [5, 6, 7], SamplingParams(logit_bias={4096: 1.0}))
+
+
+@pytest.mark.parametrize("overrides", [{}, {"max_num_batched_tokens": 16, "max_num_seqs": 4}],
+                         ids=["one-step", "chunked"])
+def test_prompt_logprobs_are_the_models_and_never_come_from_the_prefix_cache(overrides) -> None:
+    from transformers import AutoModelForCausalLM
+
+    engine = LLMEngine(EXAMPLE, **overrides)
+    prompt = fresh_prompt(19)
+    run(engine, [("warm", prompt, GREEDY, None)])  # the prompt is in the prefix cache now
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+    engine.add_request("p", prompt, params)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    first = outputs[0]
+    assert first.usage.cached_tokens == 0 and all(out.prompt_logprobs is None for out in outputs[1:])
+    hf = AutoModelForCausalLM.from_pretrained(EXAMPLE / "weights", dtype=torch.float32)
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    assert [lp.token_id for lp in first.prompt_logprobs] == prompt[1:]
+    for t, lp in enumerate(first.prompt_logprobs):
+        assert lp.logprob == pytest.approx(expected[t, prompt[t + 1]].item(), abs=1e-4)
+        top = expected[t].topk(3)
+        assert [i for i, _ in lp.top] == top.indices.tolist()

@@ -58,7 +58,7 @@ def completion_error(body: Any) -> ProtocolError:
     (chat(temperature="0.7"), "temperature", "invalid_type"),
     (chat(top_p=0), "top_p", "invalid_value"),
     (chat(top_p=2), "top_p", "invalid_value"),
-    (chat(n=2), "n", "unsupported_value"),
+    (chat(n=129), "n", "invalid_value"),
     (chat(n=0), "n", "invalid_value"),
     (chat(max_tokens=0), "max_tokens", "invalid_value"),
     (chat(max_completion_tokens=0), "max_completion_tokens", "invalid_value"),
@@ -76,7 +76,9 @@ def completion_error(body: Any) -> ProtocolError:
      "messages[0].content[1].type", "invalid_value"),
     (chat(logprobs=True, top_logprobs=21), "top_logprobs", "invalid_value"),
     (chat(top_logprobs=3), "top_logprobs", "invalid_value"),
-    (chat(logit_bias={"50256": -100}), "logit_bias", "unsupported_value"),
+    (chat(logit_bias={"token": -100}), "logit_bias", "invalid_value"),
+    (chat(logit_bias={"5": -100.5}), "logit_bias", "invalid_value"),
+    (chat(logit_bias={"5": "1"}), "logit_bias.5", "invalid_type"),
     (chat(response_format={"type": "json_schema"}), "response_format.json_schema", "missing_required_parameter"),
     (chat(response_format={"type": "xml"}), "response_format.type", "invalid_value"),
     (chat(response_format={"type": "json_object"}, guided_regex="a+"), "guided_regex", "invalid_value"),
@@ -111,13 +113,16 @@ def test_an_invalid_chat_field_is_a_400_naming_it(body: dict[str, Any], param: s
     (completion(prompt={"text": "a"}), "prompt", "invalid_type"),
     (completion(logprobs=6), "logprobs", "invalid_value"),
     (completion(logprobs=True), "logprobs", "invalid_type"),
-    (completion(echo=True), "echo", "unsupported_value"),
     (completion(suffix="end"), "suffix", "unsupported_value"),
-    (completion(best_of=3), "best_of", "unsupported_value"),
-    (completion(n=4), "n", "unsupported_value"),
+    (completion(best_of=3, n=4), "best_of", "invalid_value"),
+    (completion(best_of=3, stream=True), "best_of", "invalid_value"),
+    (completion(best_of=0), "best_of", "invalid_value"),
+    (completion(n=129), "n", "invalid_value"),
+    (completion(prompt=["a"] * 64, n=3), "n", "invalid_value"),
+    (completion(prompt=["a"] * 64, n=1, best_of=3), "best_of", "invalid_value"),
     (completion(max_tokens=0), "max_tokens", "invalid_value"),
     (completion(top_p=0), "top_p", "invalid_value"),
-    (completion(logit_bias={"1": 5}), "logit_bias", "unsupported_value"),
+    (completion(logit_bias={str(i): 1 for i in range(301)}), "logit_bias", "invalid_value"),
 ])
 def test_an_invalid_completion_field_is_a_400_naming_it(body: dict[str, Any], param: str, code: str) -> None:
     error = completion_error(body)
@@ -145,7 +150,7 @@ def test_messages_say_what_was_wrong_and_what_was_sent() -> None:
     # The engine calls it max_tokens; the message uses the name the client sent.
     assert chat_error(chat(max_completion_tokens=0)).message.startswith(
         "Invalid 'max_completion_tokens': max_completion_tokens must be >= 1")
-    assert "not supported" in chat_error(chat(n=3)).message
+    assert chat_error(chat(n=300)).message == "Invalid 'n': it must be in [1, 128], got 300."
 
 
 def test_bytes_str_and_decoded_bodies_parse_alike() -> None:
@@ -160,12 +165,33 @@ def test_a_full_chat_request_maps_every_setting_to_sampling_params() -> None:
     request = parse_chat_request(chat(
         temperature=0.2, top_p=0.9, seed=7, presence_penalty=0.5, frequency_penalty=-0.5, stop=["\n\n", "END"],
         max_tokens=50, logprobs=True, top_logprobs=3, user="u-1", top_k=40, min_p=0.05, repetition_penalty=1.1,
-        min_tokens=2, ignore_eos=True, stop_token_ids=[2], cache_salt="tenant-a"))
+        min_tokens=2, ignore_eos=True, stop_token_ids=[2], cache_salt="tenant-a", logit_bias={"9": 2, "3": -1.5},
+        n=3))
     assert request.to_sampling_params(1000) == SamplingParams(
         temperature=0.2, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
         frequency_penalty=-0.5, seed=7, max_tokens=50, min_tokens=2, stop=("\n\n", "END"), stop_token_ids=(2,),
-        ignore_eos=True, logprobs=3)
-    assert request.cache_salt == "tenant-a" and request.user == "u-1"
+        ignore_eos=True, logprobs=3, logit_bias={3: -1.5, 9: 2.0})
+    assert request.cache_salt == "tenant-a" and request.user == "u-1" and request.num_choices == 3
+    assert request.ignored_fields == []  # user, n and logit_bias all take effect (user: in the replica's log)
+
+
+def test_logit_bias_ids_are_checked_against_the_vocabulary() -> None:
+    request = parse_chat_request(chat(logit_bias={"99": 1}))
+    assert request.sampling_params_for(10, 128, vocab_size=100).logit_bias == ((99, 1.0),)
+    with pytest.raises(ProtocolError) as info:
+        request.sampling_params_for(10, 128, vocab_size=99)
+    assert info.value.param == "logit_bias" and "[0, 99)" in info.value.message
+
+
+def test_best_of_candidates_report_logprobs_to_be_ranked() -> None:
+    request = parse_completion_request(completion(best_of=3, n=2, seed=4))
+    params = request.candidate_params(request.to_sampling_params(10))
+    assert (request.num_choices, request.num_candidates, params.logprobs) == (2, 3, 0)
+    echoed = parse_completion_request(completion(echo=True, logprobs=2)).to_sampling_params(10)
+    assert (echoed.logprobs, echoed.prompt_logprobs) == (2, 2)
+    assert parse_completion_request(completion(echo=True)).to_sampling_params(10).prompt_logprobs is None
+    plain = parse_completion_request(completion(n=2))
+    assert plain.num_candidates == 2 and plain.candidate_params(plain.to_sampling_params(10)).logprobs is None
 
 
 def test_a_minimal_chat_request_keeps_the_engine_defaults_and_fills_the_context() -> None:

@@ -59,6 +59,7 @@ class RequestOutput:
     usage: Usage
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 VOCAB = {0: "Hello", 1: ",", 2: " world", 3: "!", 4: "é", 5: "<0xC3>", 6: "Hi"}
@@ -376,3 +377,69 @@ def test_the_official_client_raises_an_error_event_and_a_400() -> None:
     assert next(events).choices[0].text == "Hello"
     with pytest.raises(openai.APIError, match="aborted"):
         next(events)
+
+
+# --- several choices per prompt (n, best_of, echo) ------------------------------------------------------------------
+
+
+def generation(text: str, logprob: float, completion_tokens: int, prompt_tokens: int = 5,
+               cached: int = 0) -> Generation:
+    return Generation.collect([step([6] * completion_tokens, text, completion_tokens, "length",
+                                    logprobs=[TokenLogprobs(6, logprob, [])] * completion_tokens,
+                                    prompt_tokens=prompt_tokens, cached=cached)])
+
+
+def test_n_chat_choices_are_numbered_and_count_their_prompt_once() -> None:
+    body = chat_completion([generation("a", -1, 2), generation("b", -1, 3, cached=4)], model=MODEL,
+                           token_text=token_text)
+    assert [(c["index"], c["message"]["content"]) for c in body["choices"]] == [(0, "a"), (1, "b")]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # choice 0 computed the prompt
+    ChatCompletion.model_validate(body)
+
+
+def test_best_of_keeps_each_prompts_most_likely_candidates_and_bills_them_all() -> None:
+    # Two prompts, three candidates each (cumulative logprobs -2, -0.5, -3 and -1, -4, -0.25), n = 2.
+    candidates = [generation("p0a", -1.0, 2), generation("p0b", -0.25, 2), generation("p0c", -1.5, 2),
+                  generation("p1a", -0.5, 2, prompt_tokens=7), generation("p1b", -2.0, 2, prompt_tokens=7),
+                  generation("p1c", -0.125, 2, prompt_tokens=7)]
+    body = text_completion(candidates, model=MODEL, token_text=token_text, candidates=3, n=2,
+                           echo=["P0:", "P1:"])
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "P0:p0b"), (1, "P0:p0a"), (2, "P1:p1c"),
+                                                                  (3, "P1:p1a")]
+    assert body["usage"]["prompt_tokens"] == 12 and body["usage"]["completion_tokens"] == 12
+    Completion.model_validate(body)
+
+
+def test_streams_of_n_choices_send_a_role_chunk_each_and_echo_the_prompt_first() -> None:
+    chat_stream = ChatStream(model=MODEL, token_text=token_text, completion_id=ID, created=CREATED, n=2,
+                             include_usage=True)
+    chunks = chat_stream.add(step([0], "Hello", 1, "stop"), 1)
+    assert [c["choices"][0]["index"] for c in chunks] == [0, 1, 1, 1]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant" and not chat_stream.done
+    chunks = chat_stream.add(step([0], "Hello", 1, "stop"), 0)
+    assert chat_stream.done and chunks[-1]["usage"]["prompt_tokens"] == 5  # once for the two choices
+    with pytest.raises(IndexError):
+        ChatStream(model=MODEL, token_text=token_text, n=2).add(step([0], "Hello", 1), 2)
+    stream = CompletionStream(model=MODEL, token_text=token_text, completion_id=ID, created=CREATED, num_choices=2,
+                              n=2, echo=["Say: ", "Say: "])
+    texts = [c["choices"][0]["text"] for c in stream.add(step([5], "", 1), 0) + stream.add(step([0], "Hi", 2), 0)
+             + stream.add(step([3], "!", 1, "stop"), 1)]
+    assert texts == ["Say: ", "Hi", "Say: !", ""]
+
+
+def test_echo_with_logprobs_leads_with_the_prompts_tokens_the_first_one_null() -> None:
+    prompt_lps = [TokenLogprobs(2, -0.5, [(1, -0.25)])]  # the prompt is "Hello world": token 0, then token 2
+    out = dataclasses.replace(step([3], "!", 1, "stop", logprobs=[TokenLogprobs(3, -0.125, [])]),
+                              prompt_logprobs=prompt_lps)
+    body = text_completion([Generation.collect([out])], model=MODEL, token_text=token_text, logprobs=True,
+                           echo=["Hello world"], echo_first_tokens=[0])
+    expected = {"tokens": ["Hello", " world", "!"], "token_logprobs": [None, -0.5, -0.125],
+                "top_logprobs": [None, {",": -0.25, " world": -0.5}, {"!": -0.125}], "text_offset": [0, 5, 11]}
+    assert body["choices"][0]["text"] == "Hello world!" and body["choices"][0]["logprobs"] == expected
+    # (The openai package types the lists without null, but its client does not validate responses: the test through
+    # `ember serve` reads this null with it. OpenAI's legacy API and vLLM send it for the prompt's first token.)
+    stream = CompletionStream(model=MODEL, token_text=token_text, logprobs=True, completion_id=ID, num_choices=1,
+                              echo=["Hello world"], echo_first_tokens=[0])
+    chunks = stream.add(out, 0)
+    assert chunks[0]["choices"][0]["text"] == "Hello world!" and chunks[0]["choices"][0]["logprobs"] == expected
