@@ -380,20 +380,22 @@ class LLMEngine:
             return outputs
         self._forward_failures = 0
         draft_probs = spec.take_draft_probs(sampled) if spec is not None else [None] * len(sampled)
-        logits, grammar_failed = result.logits, False
+        logits, grammar_errors = result.logits, {}
         if plan.prompt_logprob_rows:  # their rows follow the sampled ones
             num_sampled_rows = sum(plan.num_sample_rows)
             self._record_prompt_logprobs(batch.requests, plan, logits[num_sampled_rows:])
             logits = logits[:num_sampled_rows]
         try:
             logits = self.structured.apply(masks, logits, plan.num_sample_rows)
+            grammar_errors = masks.errors if masks is not None else {}
         except Exception:
             log.exception("computing the grammar masks failed; the step's structured requests fail")
-            grammar_failed = True
+            grammar_errors = dict.fromkeys((r.request_id for r in sampled if r.request_id in self.structured),
+                                           "its grammar's token mask could not be computed")
         # Reads the tokens back: the device is done with the step here.
         sampled_tokens = self.step_sampler.sample(sampled, plan.num_sample_rows, logits, draft_probs)
-        if grammar_failed:  # their tokens were drawn without their grammar
-            sampled_tokens = [None if r.request_id in self.structured else t
+        if grammar_errors:  # their tokens were drawn without their grammar
+            sampled_tokens = [None if r.request_id in grammar_errors else t
                               for r, t in zip(sampled, sampled_tokens, strict=True)]
         seconds = time.perf_counter() - t0
         self._measure_prefill(sum(batch.num_tokens), seconds)
@@ -412,7 +414,9 @@ class LLMEngine:
         num_accepted = dict.fromkeys(range(len(batch.requests)), 0)
         for i, req, new_tokens in zip(plan.sampled, sampled, sampled_tokens, strict=True):
             if new_tokens is None:
-                outputs.append(self._fail(req, "sampling failed"))
+                grammar_error = grammar_errors.get(req.request_id)
+                outputs.append(self._fail(req, "sampling failed" if grammar_error is None
+                                          else f"its grammar failed: {grammar_error}"))
                 continue
             num_accepted[i] = len(new_tokens) - 1 if req.spec_token_ids else 0
             try:

@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -90,8 +90,10 @@ class GrammarCompiler:
     Thread-safe: the replica compiles in worker threads while the step loop copies matchers out of the cache.
     """
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, *, cache_size: int = DEFAULT_GRAMMAR_CACHE_SIZE) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, *, cache_size: int = DEFAULT_GRAMMAR_CACHE_SIZE,
+                 limits: llguidance.LLParserLimits | None = None) -> None:
         self._tokenizer = tokenizer
+        self.limits = limits  # llguidance's parser limits (None: its defaults)
         # The model's vocabulary may be padded past the tokenizer's (embedding rows no token maps to): masks cover
         # every logits column, and llguidance never allows the padding ids.
         self.vocab_size = max(vocab_size, tokenizer.vocab_size)
@@ -137,7 +139,7 @@ class GrammarCompiler:
         except ValueError as e:  # the schema is not JSON llguidance can read
             raise StructuredOutputError(structured, clean_error(structured.kind, str(e))) from None
         # Building the lexer and parser happens here, with the GIL released (the replica runs this in a thread).
-        matcher = llguidance.LLMatcher(tokenizer, source, log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, source, log_level=0, limits=self.limits)
         if matcher.is_error():
             raise StructuredOutputError(structured, clean_error(structured.kind, matcher.get_error()))
         with self._lock:
@@ -160,8 +162,10 @@ class PendingMasks:
     """One step's masks, being computed: `rows[i]` is the index, among the step's sampled requests, of mask row i."""
 
     rows: list[int]
+    request_ids: list[str]  # of each mask row
     bitmask: torch.Tensor  # [len(rows), words] int32, bit t of row i = token t allowed
     done: Future[None] | None  # None: computed already
+    errors: dict[str, str] = field(default_factory=dict)  # request id -> why its matcher failed (see `apply`)
 
 
 class StructuredRequests:
@@ -204,7 +208,8 @@ class StructuredRequests:
             self._executor = llguidance.LLExecutor(self._num_threads)
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ember-grammar")
         bitmask = torch.empty((len(rows), self.num_words), dtype=torch.int32)
-        jobs = [(self._matchers[sampled[i].request_id], k) for k, i in enumerate(rows)]
+        request_ids = [sampled[i].request_id for i in rows]
+        jobs = [(self._matchers[request_id], k) for k, request_id in enumerate(request_ids)]
         executor, num_words = self._executor, self.num_words
 
         def fill() -> None:  # holds `bitmask` alive while llguidance writes through its pointer
@@ -213,12 +218,16 @@ class StructuredRequests:
             self.mask_seconds += time.perf_counter() - t0
 
         assert self._pool is not None
-        return PendingMasks(rows, bitmask, self._pool.submit(fill))
+        return PendingMasks(rows, request_ids, bitmask, self._pool.submit(fill))
 
     def apply(self, pending: PendingMasks | None, logits: torch.Tensor,
               num_rows: Sequence[int]) -> torch.Tensor:
         """`logits` [N, V] with each structured request's disallowed tokens at -inf (a new tensor; the executor's
-        is left as it was). `num_rows[i]`: the logits rows of sampled request i (1, or 1 + its drafts)."""
+        is left as it was). `num_rows[i]`: the logits rows of sampled request i (1, or 1 + its drafts).
+
+        A matcher that failed computing its mask (a grammar past llguidance's limits) allows nothing: its row is
+        left unmasked, so that sampling does not divide by zero, and `pending.errors` says why, for the engine to
+        fail that request alone."""
         if pending is None:
             return logits
         if pending.done is not None:
@@ -226,6 +235,12 @@ class StructuredRequests:
             pending.done.result()
             self.mask_wait_seconds += time.perf_counter() - t0
             pending.done = None
+            for k, request_id in enumerate(pending.request_ids):
+                matcher = self._matchers.get(request_id)
+                if matcher is not None and matcher.is_error():
+                    # Its first line: the rest is parser state (and may quote the grammar).
+                    pending.errors[request_id] = (matcher.get_error() or "the grammar failed").splitlines()[0]
+                    pending.bitmask[k].fill_(-1)
         starts = list(itertools.accumulate(num_rows, initial=0))
         index = torch.tensor([starts[i] for i in pending.rows], dtype=torch.long, device=logits.device)
         allowed = self._unpack(pending.bitmask.to(logits.device, non_blocking=True), logits.shape[-1])

@@ -146,6 +146,22 @@ def test_a_constraint_the_grammar_engine_cannot_honor_is_refused_naming_why(
     assert "bad" not in llm.engine.scheduler.requests
 
 
+def test_a_grammar_that_fails_mid_generation_fails_its_request_alone() -> None:
+    import llguidance
+
+    llm = LLM(EXAMPLE)
+    # An ambiguous grammar that compiles, under a parser limit its second or third token's mask exceeds.
+    llm.engine.structured.compiler = GrammarCompiler(llm.tokenizer, 4096,
+                                                     limits=llguidance.LLParserLimits(step_max_items=20))
+    fragile = StructuredOutput("grammar", 'start: x+\nx: y | y y | "a" x "b"\ny: "a" | "aa" | x')
+    fine = StructuredOutput("regex", r"[a-z]{3}-\d{2}")
+    bad, good = llm.generate(PROMPTS[:2], [SamplingParams(temperature=0, max_tokens=20, structured=fragile),
+                                          SamplingParams(temperature=0, max_tokens=20, structured=fine)])
+    assert bad.finish_reason == "error" and "Too many items" in (bad.error or "") and "\n" not in bad.error
+    assert good.finish_reason == "stop" and re.fullmatch(r"[a-z]{3}-\d{2}", good.text)
+    assert len(llm.engine.structured) == 0 and not llm.engine.has_unfinished()
+
+
 def test_preemption_and_recompute_keep_the_matchers_in_step() -> None:
     params = SamplingParams(temperature=0, max_tokens=80, structured=JSON_SCHEMA)
     reference = {p: o.text for p, o in zip(PROMPTS, LLM(EXAMPLE).generate(PROMPTS, params), strict=True)}
