@@ -78,6 +78,8 @@ _EXPORTS: dict[str, str] = {
     "json_rule": "ember_platform.tools.grammar",
     "lark_string": "ember_platform.tools.grammar",
     "repeated": "ember_platform.tools.grammar",
+    "text_up_to": "ember_platform.tools.grammar",
+    "text_without": "ember_platform.tools.grammar",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -116,7 +118,15 @@ if TYPE_CHECKING:
     from ember_platform.routing import KV_TIERS, ReplicaView
     from ember_platform.routing.scoring import RouteRequest, Score
     from ember_platform.tools.calls import Tool, ToolCall
-    from ember_platform.tools.grammar import MAX_PARALLEL_CALLS, call_schema, json_rule, lark_string, repeated
+    from ember_platform.tools.grammar import (
+        MAX_PARALLEL_CALLS,
+        call_schema,
+        json_rule,
+        lark_string,
+        repeated,
+        text_up_to,
+        text_without,
+    )
     from ember_platform.tools.json_call import JsonCall, scan_json_call
     from ember_platform.tools.parser import CallSegment, Segment, TextSegment, ToolParser, partial_marker
 

@@ -15,6 +15,7 @@ from ember.manifest import load_manifest
 from ember.plugins import PluginHost, load_package
 from ember_platform.api import MAX_PARALLEL_CALLS, Tool, ToolParser
 from ember_platform.tools import ToolCallStream, parse_tool_calls
+from ember_platform.tools.parser import FirstCallOnly
 
 
 def parser(name: str) -> ToolParser:
@@ -119,6 +120,16 @@ def test_streamed_at_every_split_point_reassembles_to_the_whole_parse(family: st
                     assert marker not in delta.get("content", ""), (pieces, delta)
 
 
+def test_parallel_tool_calls_false_reads_the_first_call_only() -> None:
+    p = FirstCallOnly(parser("hermes"))
+    text = CASES["hermes"][1][0]  # content, then two calls
+    content, calls = parse_tool_calls(p, text)
+    assert (content, [c.name for c in calls]) == ("Let me look.", ["get_weather"])
+    for pieces in ([text], list(text)):
+        deltas, _ = streamed(p, pieces)
+        assert reassemble(deltas) == ("Let me look.", [{"name": "get_weather", "arguments": WEATHER}])
+
+
 def test_content_before_a_call_streams_before_the_call_completes() -> None:
     p = parser("hermes")
     stream = ToolCallStream(p)
@@ -162,9 +173,9 @@ TOOLS = [
 WEIGHTS = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama" / "weights"
 
 
-def random_walk(grammar: str, seed: int, max_tokens: int = 400) -> str:
+def random_walk(grammar: str, seed: int, max_tokens: int = 400, prefix: str = "") -> str:
     """Text sampled uniformly among the tokens the grammar allows at each step, to its end: what the worst model
-    could write under the constraint."""
+    could write under the constraint (after `prefix`, which the grammar must accept)."""
     llguidance = pytest.importorskip("llguidance")
     ll_numpy = pytest.importorskip("llguidance.numpy")
     import numpy as np
@@ -177,7 +188,9 @@ def random_walk(grammar: str, seed: int, max_tokens: int = 400) -> str:
     assert not matcher.is_error(), matcher.get_error()
     rng = np.random.default_rng(seed)
     mask = ll_numpy.allocate_token_bitmask(1, tokenizer.vocab_size)
-    ids: list[int] = []
+    ids = backend.encode(prefix, add_special_tokens=False).ids
+    for token in ids:
+        assert matcher.consume_token(token), matcher.get_error()
     for _ in range(max_tokens):
         ll_numpy.fill_next_token_bitmask(matcher, mask, 0)
         allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:tokenizer.vocab_size])
@@ -222,6 +235,46 @@ def test_a_named_grammar_calls_only_that_function(family: str) -> None:
     for seed in range(5):
         _, calls = parse_tool_calls(p, random_walk(grammar, seed))
         assert [c.name for c in calls] == ["is_prime"]
+
+
+@pytest.mark.parametrize(("family", "prefix", "content"), [
+    ("hermes", "Let me check that.\n<tool_call>\n", "Let me check that."),
+    ("hermes", "<tool_call>\n", None),
+    ("llama3_json", "{", None),
+])
+def test_a_free_text_grammar_constrains_the_calls_the_model_chooses_to_write(family: str, prefix: str,
+                                                                             content: str | None) -> None:
+    """tool_choice "auto" with strict tools: the model may write text or calls, and the calls follow their schemas."""
+    jsonschema = pytest.importorskip("jsonschema")
+    p = parser(family)
+    grammar = p.grammar(TOOLS, parallel=True, free_text=True)
+    by_name = {t.name: t for t in TOOLS}
+    for seed in range(6):
+        text = random_walk(grammar, seed, prefix=prefix)
+        parsed_content, calls = parse_tool_calls(p, text)
+        assert parsed_content == content and calls, text
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), by_name[call.name].arguments_schema())
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3_json"])
+def test_a_free_text_grammar_lets_text_end_without_a_call(family: str) -> None:
+    llguidance = pytest.importorskip("llguidance")
+    import tokenizers
+
+    backend = tokenizers.Tokenizer.from_file(str(WEIGHTS / "tokenizer.json"))
+    tokenizer = llguidance.LLTokenizer(backend.to_str(), eos_token=backend.token_to_id("<|eos|>"))
+    grammar = parser(family).grammar(TOOLS, parallel=False, free_text=True)
+    matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar))
+    for token in backend.encode("It is sunny in Paris, {no call}.", add_special_tokens=False).ids:
+        assert matcher.consume_token(token), matcher.get_error()
+    assert matcher.is_accepting()
+    assert matcher.consume_token(tokenizer.eos_token)
+
+
+def test_mistral_refuses_a_free_text_grammar() -> None:
+    with pytest.raises(NotImplementedError):
+        parser("mistral").grammar(TOOLS, parallel=True, free_text=True)
 
 
 # --- selection: the manifest's [chat] tool_parser, or the chat template ------------------------------------------
@@ -277,3 +330,20 @@ def test_an_unknown_parser_is_refused_naming_the_file_and_key(make_package: Any)
     assert message.startswith(f"{package / 'ember.toml'}: chat.tool_parser: no installed plugin provides tool_parser "
                               "'hermez'")
     assert "did you mean 'hermes'?" in message
+
+
+def test_explain_shows_the_tool_parser(tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+    import sys
+
+    example = WEIGHTS.parent
+    auto = Path(shutil.copytree(example, tmp_path / "auto", ignore=shutil.ignore_patterns("ember.lock", "__pycache__")))
+    manifest = auto / "ember.toml"
+    manifest.write_text(manifest.read_text().replace('tool_parser = "hermes"', 'tool_parser = "auto"'))
+    for package, decided_by in ((example, "manifest"), (auto, "the chat template (chat.tool_parser = 'auto')")):
+        done = subprocess.run([sys.executable, "-m", "ember", "explain", str(package), "--json"], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)["selections"]["tool_parser"]
+        assert (report["name"], report["decided_by"]) == ("hermes", decided_by), report

@@ -174,6 +174,7 @@ class FunctionDefinition(BaseModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class ToolDefinition(BaseModel):
@@ -408,11 +409,12 @@ class ChatCompletionRequest(GenerationRequest):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise invalid_request("tool_choice.function.name", f"Invalid 'tool_choice.function.name': "
                                   f"{choice.function.name!r} is not among the tools ({', '.join(sorted(names))}).")
-        if (choice == "required" or isinstance(choice, NamedToolChoice)) and (
+        strict = choice in (None, "auto") and any(tool.function.strict for tool in self.tools)
+        if (choice == "required" or isinstance(choice, NamedToolChoice) or strict) and (
                 constraint := self.output_constraint()) is not None:
-            raise invalid_request("tool_choice", f"Invalid 'tool_choice': a required or named tool call constrains "
-                                                 f"the output to that call, and this request also constrains it "
-                                                 f"with '{constraint.param}'. Send one of them.")
+            what = "strict tools constrain the calls" if strict else "a required or named call constrains the output"
+            raise invalid_request("tool_choice", f"Invalid 'tool_choice': {what}, and this request also constrains "
+                                                 f"its output with '{constraint.param}'. Send one of them.")
         if self.logprobs and choice != "none":
             raise unsupported("logprobs", "logprobs are not supported together with tools: the output is read as "
                                           "tool calls, and per-token logprobs would show its markup. Send one or the "
@@ -422,7 +424,8 @@ class ChatCompletionRequest(GenerationRequest):
         """How the model may use the tools; None when it is offered none (no tools, or tool_choice "none")."""
         if not self.tools or self.tool_choice == "none":
             return None
-        tools = tuple(Tool(t.function.name, t.function.description, t.function.parameters) for t in self.tools)
+        tools = tuple(Tool(t.function.name, t.function.description, t.function.parameters, bool(t.function.strict))
+                      for t in self.tools)
         parallel = self.parallel_tool_calls is not False
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice):
@@ -454,6 +457,9 @@ def _check_parameters_schema(schema: dict[str, Any] | None, param: str) -> None:
         return
     import jsonschema  # only requests with tools pay for the import
 
+    dialect = schema.get("$schema")
+    if dialect is not None and not isinstance(dialect, str):
+        raise invalid_request(param, f"Invalid '{param}': '$schema' must be a URI string, got {dialect!r}.")
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         validator.check_schema(schema)

@@ -37,6 +37,7 @@ from ember_platform.gateway.errors import (
     ProtocolError,
     invalid_request,
     service_unavailable,
+    unsupported,
 )
 from ember_platform.gateway.preprocess import PREPROCESSED_HEADER, preprocessed_marker
 from ember_platform.gateway.protocol import (
@@ -425,7 +426,8 @@ def _prompt_ids(replica: Replica, body: CompletionRequest) -> list[list[int]]:
 def _tool_parser(replica: Replica, body: ChatCompletionRequest) -> ToolParser | None:
     """The parser that reads this request's tool calls; None when it offers the model no tools. A model without
     one cannot take tools: its calls would come back as text, so the request is refused."""
-    if body.tool_use() is None:
+    use = body.tool_use()
+    if use is None:
         return None
     if replica.tool_parser is None:
         report = replica.tool_parser_report
@@ -434,6 +436,10 @@ def _tool_parser(replica: Replica, body: ChatCompletionRequest) -> ToolParser | 
                                        f"parser{why}, so its calls could not be read. Send the request without "
                                        "tools, or set [chat] tool_parser in the package's ember.toml.",
                               "unsupported_value")
+    if not use.parallel:
+        from ember_platform.tools.parser import FirstCallOnly
+
+        return FirstCallOnly(replica.tool_parser)
     return replica.tool_parser
 
 
@@ -443,14 +449,22 @@ async def _constrain_tool_calls(replica: Replica, params: SamplingParams, body: 
     arguments into its tool's parameters schema. Compiled here, in a thread, like any other constraint; a schema the
     grammar engine cannot enforce is a 400 naming that tool's parameters."""
     use = body.tool_use()
-    if tool_parser is None or use is None or not use.constrained:
+    if tool_parser is None or use is None or not (use.constrained or use.strict):
         return params
     from ember_platform.engine.sampling_params import StructuredOutput
     from ember_platform.engine.structured_output import StructuredOutputError
 
     assert replica.engine is not None
+    free_text = not use.constrained  # "auto" with strict tools: text, or calls that follow their schemas
+    try:
+        grammar = tool_parser.grammar(use.tools, parallel=use.parallel, free_text=free_text)
+    except NotImplementedError:
+        index = next(i for i, tool in enumerate(use.tools) if tool.strict)
+        raise unsupported(f"tools[{index}].function.strict", f"strict tools with tool_choice 'auto' are not "
+                          f"supported by this model's tool parser ({tool_parser.name}): send strict false, or "
+                          "tool_choice 'required' or a named function (always constrained).") from None
     grammars = replica.engine.grammars
-    structured = StructuredOutput("grammar", tool_parser.grammar(use.tools, parallel=use.parallel))
+    structured = StructuredOutput("grammar", grammar)
     if not grammars.is_cached(structured):
         try:
             await asyncio.to_thread(grammars.compile, structured)

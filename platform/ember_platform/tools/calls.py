@@ -24,6 +24,7 @@ class Tool:
     name: str
     description: str | None = None
     parameters: Mapping[str, Any] | None = None
+    strict: bool = False  # OpenAI's `strict`: the arguments must follow `parameters`, even in "auto" mode
 
     def arguments_schema(self) -> dict[str, Any]:
         """The schema the arguments follow: `parameters`; without them (as OpenAI defines it) no parameters at all."""
@@ -47,7 +48,14 @@ class ToolUse:
 
     @property
     def constrained(self) -> bool:
+        """Whether the output is forced to be calls (nothing else)."""
         return self.mode != "auto"
+
+    @property
+    def strict(self) -> bool:
+        """Whether the calls the model writes must follow their schemas: a strict tool among them. In "auto"
+        mode every call is then constrained (a non-strict tool's to its schema too, which it allows)."""
+        return any(tool.strict for tool in self.tools)
 
 
 @dataclass(slots=True)

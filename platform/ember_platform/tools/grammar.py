@@ -42,6 +42,20 @@ def lark_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def text_without(marker: str) -> str:
+    """A Lark regex body matching any text that never writes `marker`."""
+    return f"/(.|\\n)*/ & ~/(.|\\n)*{_regex_literal(marker)}(.|\\n)*/"
+
+
+def text_up_to(marker: str) -> str:
+    """A Lark regex body matching any text that ends with the first `marker` it writes (use in a `[lazy]` rule)."""
+    return f"/(.|\\n)*{_regex_literal(marker)}/"
+
+
+def _regex_literal(text: str) -> str:
+    return "".join(f"\\{c}" if c in "\\.^$|?*+()[]{}/" else ("\\n" if c == "\n" else c) for c in text)
+
+
 def repeated(rule: str, separator: str, *, parallel: bool) -> str:
     """Lark for one `rule`, or (parallel) one to MAX_PARALLEL_CALLS of them separated by the literal `separator`."""
     if not parallel:

@@ -64,10 +64,15 @@ class ToolParser:
         """
         raise NotImplementedError
 
-    def grammar(self, tools: Sequence[Tool], *, parallel: bool) -> str:
+    def grammar(self, tools: Sequence[Tool], *, parallel: bool, free_text: bool = False) -> str:
         """A Lark grammar (llguidance syntax, `%json {...}` for the arguments) whose every string is one or more
         calls (one when not `parallel`) in this family's format, to one of `tools`, arguments valid against that
-        tool's parameters schema; nothing else (no text before or after)."""
+        tool's parameters schema; nothing else (no text before or after).
+
+        `free_text`: the grammar of `tool_choice` "auto" with `strict` tools instead: any text the format allows
+        (calls optional, text wherever the format has it) but every call written is one of those. A parser that
+        cannot write it raises NotImplementedError (the request is then refused, naming `strict`).
+        """
         raise NotImplementedError
 
 
@@ -113,3 +118,22 @@ def partial_marker(text: str, marker: str) -> int:
         if marker.startswith(text[-length:]):
             return length
     return 0
+
+
+class FirstCallOnly(ToolParser):
+    """`parser`, reading no further than its first call: `parallel_tool_calls: false` in `auto` mode, where nothing
+    stops the model from writing more (what it writes after that call is neither content nor a call)."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.name = parser.name  # type: ignore[misc]  # the instance's, for logs
+
+    def scan(self, text: str, *, final: bool) -> list[Segment]:
+        segments = self.parser.scan(text, final=final)
+        for index, segment in enumerate(segments):
+            if isinstance(segment, CallSegment):
+                return segments[:index + 1]
+        return segments
+
+    def grammar(self, tools: Sequence[Tool], *, parallel: bool, free_text: bool = False) -> str:
+        return self.parser.grammar(tools, parallel=False, free_text=free_text)

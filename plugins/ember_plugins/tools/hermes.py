@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ember_platform.api import (
+    MAX_PARALLEL_CALLS,
     CallSegment,
     Segment,
     TextSegment,
@@ -23,6 +24,8 @@ from ember_platform.api import (
     partial_marker,
     repeated,
     scan_json_call,
+    text_up_to,
+    text_without,
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -64,8 +67,16 @@ class HermesToolParser(ToolParser):
                 return segments
             pos = end + len(CLOSE)
 
-    def grammar(self, tools: Sequence[Tool], *, parallel: bool) -> str:
+    def grammar(self, tools: Sequence[Tool], *, parallel: bool, free_text: bool = False) -> str:
         call = f"{lark_string(OPEN + chr(10))} call_json {lark_string(chr(10) + CLOSE)}"
-        return (f"start: {repeated('call', chr(10), parallel=parallel)}\n"
-                f"call: {call}\n"
-                f"call_json: {json_rule(call_schema(tools))}\n")
+        json_call = f"call_json: {json_rule(call_schema(tools))}\n"
+        if not free_text:
+            return f"start: {repeated('call', chr(10), parallel=parallel)}\ncall: {call}\n{json_call}"
+        # Text that never opens a call, or text up to the first call's opening (lazy: it ends there) and the calls.
+        first = f"call_json {lark_string(chr(10) + CLOSE)}"
+        more = f" ({lark_string(chr(10))} call){{0,{MAX_PARALLEL_CALLS - 1}}}" if parallel else ""
+        return (f"start: PLAIN | lead first{more}\n"
+                f"PLAIN: {text_without(OPEN)}\n"
+                f"lead[lazy]: {text_up_to(OPEN + chr(10))}\n"
+                f"first: {first}\n"
+                f"call: {call}\n{json_call}")

@@ -66,6 +66,10 @@ class Llama3JsonToolParser(ToolParser):
                 segments.append(TextSegment(rest))
             return segments
 
-    def grammar(self, tools: Sequence[Tool], *, parallel: bool) -> str:
-        return (f"start: {repeated('call', SEPARATOR, parallel=parallel)}\n"
-                f"call: {json_rule(call_schema(tools, arguments_key='parameters'))}\n")
+    def grammar(self, tools: Sequence[Tool], *, parallel: bool, free_text: bool = False) -> str:
+        calls = repeated("call", SEPARATOR, parallel=parallel)
+        call = f"call: {json_rule(call_schema(tools, arguments_key='parameters'))}\n"
+        if not free_text:
+            return f"start: {calls}\n{call}"
+        # The answer is text or calls; text then must not start with "{", which would begin a call.
+        return f"start: PLAIN | {calls}\nPLAIN: /(.|\\n)*/ & ~/[ \\t\\r\\n]*\\{{(.|\\n)*/\n{call}"

@@ -91,7 +91,9 @@ class MistralToolParser(ToolParser):
                 segments.append(TextSegment(text[call.end:]))
             return segments
 
-    def grammar(self, tools: Sequence[Tool], *, parallel: bool) -> str:
+    def grammar(self, tools: Sequence[Tool], *, parallel: bool, free_text: bool = False) -> str:
+        if free_text:  # text, or [TOOL_CALLS] and an array: the marker is a special token, see below
+            raise NotImplementedError("strict tools with tool_choice 'auto'")
         # No [TOOL_CALLS]: it is a special token, which a grammar can name only by the tokenizer's id for it; the
         # parser reads an array of calls without it.
         more = f' (", " call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
@@ -170,6 +171,36 @@ def test_required_calls_always_parse_and_follow_their_schemas(served: Served) ->
             assert len(calls) == 1
 
 
+def replica_report(served: Served) -> dict[str, Any]:
+    info = httpx.get(f"{served.url}/models/{MODEL}/info", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                     timeout=30).json()
+    return info["replica"]
+
+
+def test_strict_tools_in_auto_mode_constrain_the_calls_and_leave_text_free(served: Served) -> None:
+    class IsPrime(pydantic.BaseModel):
+        n: int
+
+    tool = openai.pydantic_function_tool(IsPrime)  # strict: true, as the openai package writes it
+    assert tool["function"]["strict"] is True
+    report = replica_report(served)
+    assert report["selections"]["tool_parser"]["name"] == "hermes"
+    question = [{"role": "user", "content": "Is 7 prime?"}]
+
+    def masked_rows_for(**kwargs: Any) -> tuple[int, Any]:
+        before = replica_report(served)["stats"]["grammar_masked_rows"]
+        reply = served.client().chat.completions.create(model=MODEL, messages=question, max_tokens=24,
+                                                        temperature=1, seed=5, **kwargs)
+        return replica_report(served)["stats"]["grammar_masked_rows"] - before, reply
+
+    unconstrained, _ = masked_rows_for(tools=[{**tool, "function": {**tool["function"], "strict": False}}])
+    assert unconstrained == 0  # auto without strict: nothing constrains the model
+    masked, reply = masked_rows_for(tools=[tool])
+    assert masked >= reply.usage.completion_tokens  # every token drawn under the grammar
+    for call in reply.choices[0].message.tool_calls or []:
+        IsPrime.model_validate_json(call.function.arguments)
+
+
 def test_auto_leaves_a_model_that_calls_nothing_with_its_text(served: Served) -> None:
     reply = create(served.client(), max_tokens=8, temperature=0)
     plain = served.client().chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
@@ -184,6 +215,7 @@ def test_auto_leaves_a_model_that_calls_nothing_with_its_text(served: Served) ->
      "tools[0].function.parameters"),
     ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice.function.name"),
     ({"model": PLAIN}, "tools"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
 ])
 def test_bad_tool_requests_are_400s_naming_the_field(served: Served, kwargs: dict[str, Any], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:

@@ -36,6 +36,9 @@ def with_parameters(parameters: Any) -> dict[str, Any]:
      "not a valid JSON schema"),
     (chat(tools=[with_parameters({"type": "string"})]), "tools[0].function.parameters", "must be 'object'"),
     (chat(tools=[with_parameters([1])]), "tools[0].function.parameters", "valid dictionary"),
+    (chat(tools=[with_parameters({"$schema": 5})]), "tools[0].function.parameters", "must be a URI string"),
+    (chat(tools=[with_parameters({"type": "object", "properties": {"a": {"pattern": "["}}})]),
+     "tools[0].function.parameters", "'[' is not a 'regex' (at '.properties.a.pattern')"),
     (chat(tools=[WEATHER, {"type": "function", "function": {"name": "has space"}}]), "tools[1].function.name",
      "1 to 64 letters"),
     (chat(tools=[WEATHER, WEATHER]), "tools[1].function.name", "two tools are named 'get_weather'"),
@@ -46,6 +49,10 @@ def with_parameters(parameters: Any) -> dict[str, Any]:
     (chat(parallel_tool_calls=False), "parallel_tool_calls", "only allowed when 'tools'"),
     (chat(tools=[]), "tools", "only allowed when 'tools' lists at least one tool"),
     (chat(tools=[WEATHER], logprobs=True), "logprobs", "not supported together with tools"),
+    (chat(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "tool_choice",
+     "also constrains its output with 'response_format'"),
+    (chat(tools=[{**WEATHER, "function": {**WEATHER["function"], "strict": True}}],
+          response_format={"type": "json_object"}), "tool_choice", "strict tools constrain the calls"),
 ])
 def test_bad_tool_requests_are_400s_naming_the_field(body: dict[str, Any], param: str, fragment: str) -> None:
     with pytest.raises(ProtocolError) as caught:
@@ -68,6 +75,11 @@ def test_tool_choice_resolves_to_what_the_replica_serves() -> None:
     only_ping = parse_chat_request(chat(tools=both, tool_choice=named("ping"))).tool_use()
     assert only_ping == ToolUse((ping,), "named", parallel=False) and only_ping.constrained
     assert ping.arguments_schema() == {"type": "object", "properties": {}, "additionalProperties": False}
+    strict = {**PING, "function": {**PING["function"], "strict": True}}
+    use = parse_chat_request(chat(tools=[WEATHER, strict])).tool_use()
+    assert use is not None and use.strict and not use.constrained and use.tools[1] == Tool("ping", strict=True)
+    # a strict tool with response_format json_object is fine once the model is not offered the tools
+    assert parse_chat_request(chat(tools=[strict], tool_choice="none", response_format={"type": "json_object"}))
 
 
 def test_assistant_tool_calls_reach_the_template_with_their_arguments_as_objects() -> None:
