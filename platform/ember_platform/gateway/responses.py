@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # the engine's modules import torch; these are only read here
     from ember_platform.tools import ToolCallStream, ToolParser
 
 TokenText = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]  # one token's own bytes (part of a character, for a byte-level token)
 
 SSE_DONE = b"data: [DONE]\n\n"
 # JSON has no -inf. OpenAI writes this value for a token too unlikely to have a meaningful logprob.
@@ -79,16 +80,22 @@ def _openai_finish_reason(reason: str | None) -> str:
     return reason
 
 
-def _chat_token(token_id: int, logprob: float, token_text: TokenText) -> dict[str, Any]:
+def _chat_token(token_id: int, logprob: float, token_text: TokenText,
+                token_bytes: TokenBytes | None = None) -> dict[str, Any]:
     token = token_text(token_id)
-    return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+    raw = token_bytes(token_id) if token_bytes is not None else token.encode("utf-8")
+    return {"token": token, "logprob": _finite(logprob), "bytes": list(raw)}
 
 
-def chat_logprobs(logprobs: Iterable[TokenLogprobs], token_text: TokenText) -> dict[str, Any]:
-    """Chat's `choice.logprobs`: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}."""
+def chat_logprobs(logprobs: Iterable[TokenLogprobs], token_text: TokenText,
+                  token_bytes: TokenBytes | None = None) -> dict[str, Any]:
+    """Chat's `choice.logprobs`: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}.
+
+    `bytes` are the token's own (`token_bytes`; else its text's): a token holding part of a UTF-8 character has the
+    text U+FFFD, and a client rebuilds the character from the bytes of consecutive tokens."""
     return {"content": [
-        {**_chat_token(lp.token_id, lp.logprob, token_text),
-         "top_logprobs": [_chat_token(token_id, logprob, token_text) for token_id, logprob in lp.top]}
+        {**_chat_token(lp.token_id, lp.logprob, token_text, token_bytes),
+         "top_logprobs": [_chat_token(token_id, logprob, token_text, token_bytes) for token_id, logprob in lp.top]}
         for lp in logprobs
     ]}
 
@@ -177,7 +184,7 @@ def chat_message(text: str, finish_reason: str, tool_parser: ToolParser | None =
 
 def chat_completion(generations: Generation | Sequence[Generation], *, model: str, token_text: TokenText,
                     logprobs: bool = False, completion_id: str | None = None, created: int | None = None,
-                    tool_parser: ToolParser | None = None) -> dict[str, Any]:
+                    tool_parser: ToolParser | None = None, token_bytes: TokenBytes | None = None) -> dict[str, Any]:
     """A `chat.completion` object: one choice per generation (the n choices of its one prompt). Raises
     ProtocolError (503) if one was aborted."""
     if isinstance(generations, Generation):
@@ -189,7 +196,7 @@ def chat_completion(generations: Generation | Sequence[Generation], *, model: st
         choices.append({
             "index": index,
             "message": message,
-            "logprobs": chat_logprobs(generation.logprobs, token_text) if logprobs else None,
+            "logprobs": chat_logprobs(generation.logprobs, token_text, token_bytes) if logprobs else None,
             "finish_reason": finish_reason,
         })
     return {
@@ -317,12 +324,13 @@ class ChatStream(_Stream):
 
     def __init__(self, *, model: str, token_text: TokenText, include_usage: bool = False, logprobs: bool = False,
                  completion_id: str | None = None, created: int | None = None, n: int = 1,
-                 tool_parser: ToolParser | None = None) -> None:
+                 tool_parser: ToolParser | None = None, token_bytes: TokenBytes | None = None) -> None:
         super().__init__(model=model, token_text=token_text, include_usage=include_usage, logprobs=logprobs,
                          completion_id=completion_id or new_chat_completion_id(), created=created, num_choices=n,
                          n=n)
         self._started = False
         self.tool_parser = tool_parser
+        self.token_bytes = token_bytes
         self._tool_streams: dict[int, ToolCallStream] = {}
 
     def start(self) -> list[dict[str, Any]]:
@@ -341,7 +349,7 @@ class ChatStream(_Stream):
 
     def _content_choice(self, index: int, text: str, logprobs: Sequence[TokenLogprobs]) -> dict[str, Any]:
         return {"index": index, "delta": {"content": text},
-                "logprobs": chat_logprobs(logprobs, self.token_text) if self.logprobs else None,
+                "logprobs": chat_logprobs(logprobs, self.token_text, self.token_bytes) if self.logprobs else None,
                 "finish_reason": None}
 
     def _finish_choice(self, index: int, finish_reason: str) -> dict[str, Any]:

@@ -126,6 +126,7 @@ class Replica:
         self.num_in_flight = 0
         self.stream_event_rate = stream_event_rate
         self.token_text: Callable[[int], str] = self._no_tokens  # one token's text, for logprobs; set by load()
+        self.token_bytes: Callable[[int], bytes] = self._no_tokens  # and its own bytes (chat logprobs' `bytes`)
         self.tool_parser: ToolParser | None = None  # reads tool calls from chat outputs; set by load()
         self.tool_parser_report: SelectionReport | None = None
         self._warmup_counters: dict[str, float] = {}
@@ -146,6 +147,7 @@ class Replica:
         self.engine = engine
         self.token_text = functools.lru_cache(maxsize=1 << 16)(
             lambda token_id: engine.tokenizer.decode([token_id], skip_special_tokens=False))
+        self.token_bytes = functools.lru_cache(maxsize=1 << 16)(engine.tokenizer.token_bytes)
         self.async_engine = AsyncEngine(engine)
         self.metrics.set_cold_start(self.timings)
         if self.state == STARTING:  # a drain that began while loading wins
@@ -177,7 +179,7 @@ class Replica:
         log.info("tool parser: %s (%s)", report.name, report.reason)
 
     @staticmethod
-    def _no_tokens(token_id: int) -> str:
+    def _no_tokens(token_id: int) -> Any:
         raise RuntimeError("the replica has no tokenizer before load()")
 
     def begin_drain(self) -> None:
@@ -726,14 +728,14 @@ def create_app(replica: Replica, *, secret: str | None = None) -> Starlette:
         if body.stream:
             stream = ChatStream(model=body.model, token_text=replica.token_text, include_usage=body.include_usage,
                                 logprobs=body.wants_logprobs, completion_id=response_id, n=body.num_choices,
-                                tool_parser=tool_parser)
+                                tool_parser=tool_parser, token_bytes=replica.token_bytes)
             return _sse_response(_events(replica, stream, choices.prompts, choices.params, body.cache_salt, adapter,
                                          data, choices.leaders))
         return await _generate(
             request, replica, data, choices.prompts, choices.params, response_id, body.cache_salt, adapter,
             lambda generations: chat_completion(generations, model=body.model, token_text=replica.token_text,
                                                 logprobs=body.wants_logprobs, completion_id=response_id,
-                                                tool_parser=tool_parser),
+                                                tool_parser=tool_parser, token_bytes=replica.token_bytes),
             leaders=choices.leaders)
 
     async def completions(request: Request) -> Response:

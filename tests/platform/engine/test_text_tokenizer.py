@@ -220,3 +220,31 @@ def test_config_add_bos_token_applies_when_tokenizer_json_has_no_post_processor(
                                               eos_token="</s>", add_bos_token=True)
     assert ours.encode("héllo wörld") == hf.encode("héllo wörld")
     assert ours.encode("héllo wörld")[0] == ours.bos_token_id
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3"])
+def test_token_bytes_rebuild_the_text_even_where_a_token_holds_part_of_a_character(
+        pairs: dict[str, tuple[Tokenizer, Any]], name: str) -> None:
+    ours, _ = pairs[name]
+    partial = 0
+    for text in TEXTS:
+        ids = [i for i in ours.encode(text) if i not in ours.special_token_ids]
+        assert b"".join(ours.token_bytes(i) for i in ids) == ours.decode(ids).encode()
+        partial += sum(ours.decode([i]) == "\ufffd" for i in ids)
+    assert partial  # the case the bytes are for: a token whose text alone is U+FFFD
+    special = next(iter(ours.special_token_ids))
+    assert ours.token_bytes(special) == ours.decode([special], skip_special_tokens=False).encode()
+
+
+def test_token_bytes_of_sentencepiece_byte_fallback_pieces(pairs: dict[str, tuple[Tokenizer, Any]]) -> None:
+    ours, _ = pairs["mistral"]
+    ids = ours.encode("𝔘", add_special_tokens=False)  # not in the small vocabulary: four byte pieces
+    pieces = [i for i in ids if (ours.id_to_token(i) or "").startswith("<0x")]
+    assert len(pieces) == 4 and all(ours.decode([i]) == "\ufffd" for i in pieces)
+    assert b"".join(ours.token_bytes(i) for i in pieces) == "𝔘".encode()
+
+
+def test_token_bytes_of_the_example_models_byte_level_tokens() -> None:
+    tokenizer = Tokenizer.from_dir(Path(__file__).resolve().parents[3] / "examples" / "tiny-llama" / "weights")
+    ids = tokenizer.encode("€", add_special_tokens=False)
+    assert [tokenizer.token_bytes(i) for i in ids] == [b"\xe2", b"\x82", b"\xac"]

@@ -443,3 +443,16 @@ def test_echo_with_logprobs_leads_with_the_prompts_tokens_the_first_one_null() -
                               echo=["Hello world"], echo_first_tokens=[0])
     chunks = stream.add(out, 0)
     assert chunks[0]["choices"][0]["text"] == "Hello world!" and chunks[0]["choices"][0]["logprobs"] == expected
+
+
+def test_chat_logprobs_bytes_are_the_tokens_own_when_it_holds_part_of_a_character() -> None:
+    raw = {5: b"\xc3", 4: b"\xa9"}  # "é" in two byte-level tokens, each alone decoding to U+FFFD
+    steps = [step([5, 4], "é", 2, "stop", logprobs=[TokenLogprobs(5, -0.5, [(5, -0.5)]), TokenLogprobs(4, -0.1, [])])]
+    body = chat_completion(Generation.collect(steps), model=MODEL, token_text=lambda i: "\ufffd", logprobs=True,
+                           token_bytes=raw.__getitem__)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [t["bytes"] for t in content] == [[0xC3], [0xA9]] and content[0]["top_logprobs"][0]["bytes"] == [0xC3]
+    assert bytes(content[0]["bytes"] + content[1]["bytes"]).decode() == "é"
+    stream = ChatStream(model=MODEL, token_text=lambda i: "\ufffd", logprobs=True, token_bytes=raw.__getitem__)
+    chunk = next(c for c in stream.add(steps[0]) if c["choices"][0]["logprobs"])
+    assert [t["bytes"] for t in chunk["choices"][0]["logprobs"]["content"]] == [[0xC3], [0xA9]]

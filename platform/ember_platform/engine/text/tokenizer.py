@@ -6,12 +6,13 @@ Only the `tokenizers` library (Rust) runs here: transformers is a test-time refe
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, processors
+from tokenizers import AddedToken, decoders, processors
 
 from ember.chat_templates import ChatTemplates, load_chat_templates
 
@@ -21,6 +22,26 @@ from .chat_template import ChatTemplateError, render_chat_template
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 GIL_FREE_ENCODE_CHARS = 4096  # shorter texts encode faster holding the GIL (~25 us less) than releasing it
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's pieces for bytes outside its vocabulary
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE (GPT-2's) writes each byte as one printable character: the printable Latin-1 bytes as
+    themselves, every other byte as U+0100, U+0101, ... in byte order. This maps such characters back to bytes."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
+    alphabet, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet[chr(byte)] = byte
+        else:
+            alphabet[chr(256 + shifted)] = byte
+            shifted += 1
+    return alphabet
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -89,6 +110,8 @@ class Tokenizer:
         self.pad_token_id: int | None = tokenizer_pad_id if tokenizer_pad_id is not None else pad_token_id
         self.special_token_ids: frozenset[int] = frozenset(
             i for i, token in backend.get_added_tokens_decoder().items() if token.special)
+        self._added_token_ids = frozenset(backend.get_added_tokens_decoder())
+        self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -161,6 +184,17 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for. A byte-level token may hold part of a UTF-8 character, whose text alone
+        is U+FFFD: OpenAI's logprobs report the token's own bytes (`bytes`), so that a client can join them."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is not None and token_id not in self._added_token_ids:
+            if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
+                return bytes(_BYTE_LEVEL[c] for c in piece)
+            if match := _BYTE_FALLBACK.fullmatch(piece):
+                return bytes([int(match.group(1), 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
