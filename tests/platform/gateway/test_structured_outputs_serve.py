@@ -155,3 +155,14 @@ def test_a_constraint_that_cannot_be_enforced_is_a_400_naming_the_field(
                                                 max_tokens=8, **kwargs)
     error = info.value.body
     assert isinstance(error, dict) and error["param"] == param and needle in error["message"], error
+
+
+def test_n_choices_each_follow_the_schema_on_both_endpoints(served: Served) -> None:
+    client = served.client()
+    chat = ask(client, 11, response_format=RESPONSE_FORMAT, n=3)
+    completion = client.completions.create(model=MODEL, prompt="review:", max_tokens=80, temperature=1.0, seed=12,
+                                           n=3, extra_body={"response_format": RESPONSE_FORMAT})
+    texts = [c.message.content for c in chat.choices] + [c.text for c in completion.choices]
+    assert len(texts) == 6
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
