@@ -18,7 +18,9 @@ def ember_select_quantization(manifest: Manifest, hardware: Hardware,
     if manifest.quantization.method != AUTO:
         return None
     if hardware.is_cuda and hardware.has_compute_capability(8, 9) and "fp8" in available:
-        return Selection("fp8", reason=f"auto: {hardware.device_name} has FP8 tensor cores (sm_89+)")
+        # W8A8: the tensor cores multiply fp8 by fp8, so activations are quantized too (per token).
+        return Selection("fp8", {"activations": "fp8"},
+                         reason=f"auto: {hardware.device_name} has FP8 tensor cores (sm_89+): W8A8 fp8")
     if not hardware.is_cuda and "int8" in available:
         # Batch-1 decode on a CPU is bound by reading weights: int8 halves the bytes of bf16.
         return Selection("int8", reason="auto: on a CPU, weight-only int8 halves the weight bytes decode reads")

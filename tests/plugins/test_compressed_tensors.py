@@ -112,19 +112,30 @@ def test_loads_into_the_int8_kernels_and_matches_the_dequantized_model(checkpoin
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv.method, Int8LinearMethod) and qkv.weight.dtype == torch.int8
     assert model.lm_head.weight.dtype == torch.float32  # ignored: stored in full precision
+    # Weight-only at every batch size (the int8 GEMM, which quantizes a prefill's activations, off): what the
+    # checkpoint's W8A16 scheme computes, against the independent reference, transformers on the dequantized weights.
+    weight_only = LLM(quantized, quantization="compressed-tensors", quantization_options={"dense_threshold": -1})
     ids = llm.engine.tokenizer.encode(PROMPT)
-    logits = prefill_logits(llm, ids)
-    # The independent reference: transformers on the dequantized weights.
+    logits = prefill_logits(weight_only, ids)
     reference = transformers.AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32)
     with torch.inference_mode():
         expected = reference(torch.tensor([ids])).logits[0].float()
     torch.testing.assert_close(logits, expected, rtol=0, atol=2e-3)
     # And the text: as the dequantized model's exactly (greedy); close to the original full-precision model's.
-    tokens = llm.generate([PROMPT], GREEDY)[0].token_ids
+    tokens = weight_only.generate([PROMPT], GREEDY)[0].token_ids
     assert tokens == LLM(dequantized).generate([PROMPT], GREEDY)[0].token_ids
     original = LLM(EXAMPLE).generate([PROMPT], GREEDY)[0].token_ids
     agree = next((i for i, (a, b) in enumerate(zip(tokens, original, strict=True)) if a != b), len(tokens))
     assert agree >= 8, (agree, tokens, original)
+
+
+def test_matches_the_same_model_quantized_by_ember_token_for_token(checkpoints: tuple[Path, Path]) -> None:
+    # The acceptance check: the checkpoint as llm-compressor would write it, and `quantization = "int8"` on the
+    # original weights, through the same kernels (defaults on both sides), give the same greedy text.
+    prompts = [PROMPT, "import os\nimport sys\n\n\ndef main(", "class Config:\n    def __init__(self"]
+    loaded = LLM(checkpoints[0]).generate(prompts, GREEDY)
+    ember = LLM(EXAMPLE, quantization="int8").generate(prompts, GREEDY)
+    assert [o.token_ids for o in loaded] == [o.token_ids for o in ember]
 
 
 def test_pack_quantized_loads_the_same_weights(tmp_path: Path, checkpoints: tuple[Path, Path]) -> None:

@@ -9,11 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from ember_kernels.cpu.int8_linear import int8_linear_available
+from ember_kernels.cpu.int8_linear import int8_linear, int8_linear_available
+from ember_kernels.cpu.quantized_linear import int8_gemm_reference
 from ember_platform import LLM, SamplingParams
 from ember_platform.api import UNQUANTIZED, KernelOps, Linear, LinearSpec
 from ember_plugins.quantization.int8 import (
     INT8PACK_DENSE_THRESHOLD,
+    NATIVE_GEMM_THRESHOLD,
     Int8Linear,
     Int8LinearMethod,
     Int8Quantizer,
@@ -111,10 +113,37 @@ def test_int8_stores_weights_so_it_comes_last() -> None:
 
 
 @pytest.mark.skipif(not int8_linear_available(), reason="no native CPU kernels")
-def test_auto_picks_the_native_kernel_on_cpu_without_a_dense_path() -> None:
+def test_auto_picks_the_native_kernel_on_cpu_with_the_int8_gemm_above_a_few_rows() -> None:
     assert resolve_kernel("auto", torch.device("cpu")) == "native"
     layer = quantized_layer(Int8Quantizer({}))
-    assert layer.kernel == "native" and layer.dense_threshold is None
+    assert layer.kernel == "native" and layer.dense_threshold == NATIVE_GEMM_THRESHOLD
+    x = torch.randn(NATIVE_GEMM_THRESHOLD + 3, 64, generator=torch.Generator().manual_seed(7))
+    # Above the threshold: per-row int8 activations through the int8 GEMM, bit for bit; at or below: weight-only.
+    assert torch.equal(layer(x), int8_gemm_reference(x, layer.weight, layer.weight_scale))
+    few = x[:NATIVE_GEMM_THRESHOLD]
+    assert torch.equal(layer(few), int8_linear(few, layer.weight, layer.weight_scale))
+    assert not torch.equal(layer(x)[:NATIVE_GEMM_THRESHOLD], layer(few))  # two different computations
+
+
+@pytest.mark.skipif(not int8_linear_available(), reason="no native CPU kernels")
+def test_the_engine_runs_the_int8_gemm_for_prefill_and_the_native_kernel_for_decode(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import ember_plugins.quantization.int8 as int8_module
+
+    calls = {"int8_gemm": 0, "int8_linear": 0}
+    for name in calls:  # count the kernels' calls, each still running the real kernel
+        real = getattr(int8_module, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(int8_module, name, counted)
+    llm = LLM(EXAMPLE, quantization="int8")
+    prompt = list(range(100, 140))
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    layers = len(llm.engine.model.model.layers) * 4
+    assert calls == {"int8_gemm": layers, "int8_linear": layers * 4}
 
 
 def test_auto_picks_int8pack_off_the_cpu() -> None:

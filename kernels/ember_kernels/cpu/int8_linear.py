@@ -1,4 +1,4 @@
-"""Python side of `int8_linear.c`: argument checks and the ctypes call, and the torch reference."""
+"""Python side of `quantized_linear.c` for int8 weights: argument checks, the ctypes call, the torch reference."""
 
 from __future__ import annotations
 

@@ -6,13 +6,19 @@ from ember import hookimpl
 @hookimpl
 def ember_quantizers(register) -> None:
     register("int8", "ember_plugins.quantization.int8:Int8Quantizer",
-             summary="weight-only int8, per output channel; a native CPU kernel streams int8 weights "
-                     "(fbgemm W8A8 or torch's int8 matmul where it cannot build)",
+             summary="weight-only int8, per output channel; a native CPU kernel streams int8 weights at a few "
+                     "rows, an int8 GEMM on per-row int8 activations above (fbgemm W8A8 or torch's int8 matmul "
+                     "where it cannot build)",
              options=("skip", "kernel", "dense_threshold"))
     register("int4", "ember_plugins.quantization.int4:Int4Quantizer",
              summary="int4 weights in groups of 32/64/128 inputs, symmetric or not; a native CPU kernel "
                      "(int8 activations per group, VNNI/AVX2), torch int4pack, or Triton on GPU",
              options=("group_size", "symmetric", "skip", "kernel"))
+    register("fp8", "ember_plugins.quantization.fp8:Fp8Quantizer",
+             summary="float8 e4m3 weights, per output channel: weight-only everywhere (a native CPU kernel "
+                     "decodes e4m3 in registers; tiles widened into the dense GEMM for many rows), W8A8 through "
+                     "torch._scaled_mm on GPUs of compute capability >= 8.9",
+             options=("skip", "kernel", "dense_threshold", "activations"))
     register("compressed-tensors", "ember_plugins.quantization.compressed_tensors:CompressedTensorsQuantizer",
              summary="loads checkpoints already quantized to int8 (or 4-bit pack-quantized) in the compressed-tensors "
                      "format (config.json quantization_config), straight into the int8 (int4) kernels",

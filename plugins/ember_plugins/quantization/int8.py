@@ -18,7 +18,14 @@ of bf16) is the whole win, if the kernel streams int8 at memory speed. Kernels, 
   are views into one mmapped safetensors file, at whatever offset the file gives them, and activations
   can be views too; so every operand is handed to it at the allocator's 64-byte alignment (`aligned`).
 * dense: the weights dequantized once and kept, for batches above `dense_threshold` rows, where a
-  dense GEMM beats the int8 kernel (int8pack on large prefills; on this CPU never the others).
+  dense GEMM beats the int8 kernel (int8pack on large prefills).
+* native beyond a few rows: its 8-lane float32 FMAs fall behind a bf16 GEMM library (oneDNN's, avx512_bf16) from
+  ~8 rows (0.5x at 16, 0.25x at 512 on llama-150m's shapes), so above `dense_threshold` rows it hands the batch
+  to an int8 GEMM instead: each row of x quantized to int8 with its own scale (max|x| / 127), then
+  `torch._int_mm` (oneDNN's VNNI int8 kernels: four multiply-adds per lane where bf16 does two), int32 sums
+  scaled back per row and channel. Measured 2.2-2.4x the bf16 GEMM at 16-512 rows on an AVX-512 VNNI EPYC; no
+  dequantized copy of the weights is made. Prefill chunks and large batches so run W8A8 (held-out loss: see
+  bench/eval_int8_quality.py), decode weight-only.
 
 Every kernel gives a row the same result whatever else is in the batch, so batching and speculative
 verification never change a request's numerics.
@@ -35,12 +42,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember_kernels.cpu.int8_linear import int8_linear, int8_linear_available
+from ember_kernels.cpu.quantized_linear import int8_gemm
 from ember_platform.api import UNQUANTIZED, Linear, LinearMethod, LinearSpec, Quantizer, skipped
 
 KERNELS = ("auto", "native", "fbgemm", "int8pack")
-# Rows above which int8pack loses to a dense GEMM on the dequantized weights; native and fbgemm
-# never did on the CPU measured (fp32 MKL runs 22 GFLOP/s there), so their default is no dense path.
+# Rows above which int8pack loses to a dense GEMM on the dequantized weights; fbgemm never did on the CPU
+# measured (fp32 MKL runs 22 GFLOP/s there), so its default is no dense path.
 INT8PACK_DENSE_THRESHOLD = 32
+# Rows above which the native kernel hands a batch to the int8 GEMM (`int8_gemm`): where the two met on
+# llama-150m's shapes (bench/bench_quantized_linear.py), on a 2-core AVX-512 EPYC.
+# The int8 GEMM was ahead from 8 rows, bf16 and float32 activations alike.
+NATIVE_GEMM_THRESHOLD = 4
 
 
 def fbgemm_available() -> bool:
@@ -139,8 +151,8 @@ class Int8LinearMethod(LinearMethod):
         layer.weight_scale = nn.Parameter(aligned(scale.to(qweight.device)), requires_grad=False)
         layer.kernel = kernel
         threshold = self.dense_threshold
-        if threshold is None:
-            threshold = INT8PACK_DENSE_THRESHOLD if kernel == "int8pack" and self.default_dense else None
+        if threshold is None and self.default_dense:
+            threshold = {"int8pack": INT8PACK_DENSE_THRESHOLD, "native": NATIVE_GEMM_THRESHOLD}.get(kernel)
         layer.dense_threshold = None if threshold is None or threshold < 0 else threshold
         layer._dense = None  # dequantized weight, made on the first large batch
         if kernel == "fbgemm":
@@ -158,7 +170,8 @@ class Int8LinearMethod(LinearMethod):
         x2 = x.reshape(-1, layer.in_features)
         y: torch.Tensor | None
         if layer.dense_threshold is not None and x2.shape[0] > layer.dense_threshold:
-            y = F.linear(x2, _dense_weight(layer, out_dtype))
+            y = (int8_gemm(x2, layer.weight, layer.weight_scale, out_dtype) if layer.kernel == "native"
+                 else F.linear(x2, _dense_weight(layer, out_dtype)))
         elif layer.kernel == "native":
             y = int8_linear(x2, layer.weight, layer.weight_scale, out_dtype)
             if y is None:  # only if the library vanished after we chose it: stay correct
@@ -176,7 +189,8 @@ class Int8LinearMethod(LinearMethod):
     def describe(self, layer: Linear) -> str:
         kernel = getattr(layer, "kernel", self.kernel)
         dense = getattr(layer, "dense_threshold", None)
-        dense_text = "" if dense is None else f", dense above {dense} rows"
+        gemm = "int8 GEMM (W8A8)" if kernel == "native" else "dense"
+        dense_text = "" if dense is None else f", {gemm} above {dense} rows"
         return f"int8 per-channel, kernel={kernel}{dense_text}"
 
 
@@ -229,8 +243,9 @@ def Int8Linear(weight: torch.Tensor | None, bias: torch.Tensor | None, kernel: s
 class Int8Quantizer(Quantizer):
     """Options: `skip` (layers kept in full precision, by attribute name or module prefix; default ["lm_head"]);
     `kernel` ("auto": on CPUs native where the C kernels build, else fbgemm where torch has it, else int8pack; off
-    the CPU int8pack); `dense_threshold` (rows above which dequantized dense weights are used, kept in memory once
-    made; default 32 for int8pack, none for the others; a negative value: never).
+    the CPU int8pack); `dense_threshold` (rows above which the GEMM path runs: for native the int8 GEMM on
+    per-row int8 activations, default NATIVE_GEMM_THRESHOLD; for int8pack dequantized dense weights, kept in
+    memory once made, default 32; none for fbgemm; a negative value: never).
 
     It stores weights, so it comes last in a composition; the transforms before it (smoothing, rotation) rewrite
     the full-precision weight it then quantizes."""
