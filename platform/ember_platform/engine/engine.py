@@ -309,6 +309,7 @@ class LLMEngine:
             self.wake()
         req = Request(request_id, ids, params, next(self._arrivals), lora_name=lora_name, cache_salt=cache_salt,
                       prefill_leader=self._prefill_leader(share_prefill_with, ids, params, lora_name, cache_salt),
+                      num_shared_tokens=(len(ids) - 1) // self.block_size * self.block_size,
                       prompt_logprobs=params.prompt_logprobs is not None)
         stop = StopStringMatcher(params.stop) if params.stop else None
         self._states[request_id] = RequestState(IncrementalDetokenizer(self.tokenizer, ids), stop,

@@ -31,13 +31,14 @@ class Request:
     `num_computed_tokens` of them."""
 
     __slots__ = ("_extra", "arrival", "block_hashes", "block_ids", "cache_salt", "finish_reason",
-                 "lora_name", "num_cached_tokens", "num_computed_tokens", "num_preemptions",
+                 "lora_name", "num_cached_tokens", "num_computed_tokens", "num_preemptions", "num_shared_tokens",
                  "output_token_ids", "params", "prefill_leader", "prompt_logprobs", "prompt_token_ids", "request_id",
                  "spec_token_ids", "status", "stop_reason")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
                  *, lora_name: str | None = None, cache_salt: str | None = None,
-                 prefill_leader: Request | None = None, prompt_logprobs: bool = False) -> None:
+                 prefill_leader: Request | None = None, num_shared_tokens: int = 0,
+                 prompt_logprobs: bool = False) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -58,6 +59,7 @@ class Request:
         # A sibling (same prompt, adapter and salt: one of a request's n choices) whose prefill this one waits for,
         # so that it reads the prompt's full blocks from the prefix cache instead of computing them again.
         self.prefill_leader = prefill_leader
+        self.num_shared_tokens = num_shared_tokens  # the prompt's tokens in whole blocks before its last token
         # Its prompt's logprobs are wanted: every prompt position's logits, so nothing is read from the prefix cache.
         self.prompt_logprobs = prompt_logprobs
 
@@ -79,11 +81,12 @@ class Request:
 
     @property
     def waits_for_prefill(self) -> bool:
-        """Whether its leader is still computing the prompt (then scheduling this one would compute it twice)."""
+        """Whether its leader is still computing the prompt's whole blocks (scheduling this one would compute them
+        twice). Blocks a leader computed or found are in the prefix cache by the time its count says so."""
         leader = self.prefill_leader
         if leader is None:
             return False
-        if leader.status.finished or leader.num_computed_tokens >= leader.num_prompt_tokens:
+        if leader.status.finished or leader.num_computed_tokens >= self.num_shared_tokens:
             self.prefill_leader = None  # done waiting: let the leader's state go
             return False
         return True

@@ -178,3 +178,24 @@ def test_prompt_logprobs_are_the_models_and_never_come_from_the_prefix_cache(ove
         assert lp.logprob == pytest.approx(expected[t, prompt[t + 1]].item(), abs=1e-4)
         top = expected[t].topk(3)
         assert [i for i, _ in lp.top] == top.indices.tolist()
+
+
+def test_siblings_of_a_prompt_already_cached_start_in_the_leaders_step(engine) -> None:
+    prompt = fresh_prompt(20)
+    run(engine, [("warm", prompt, GREEDY, None)])
+    schedule = engine.scheduler.schedule
+    first_step: list[str] = []
+
+    def observed_schedule():
+        batch = schedule()
+        if not first_step:
+            first_step.extend(r.request_id for r in batch.requests)
+        return batch
+
+    engine.scheduler.schedule = observed_schedule
+    try:
+        _, computed, cached = run(engine, [("a", prompt, GREEDY, None), ("b", prompt, GREEDY, "a")])
+    finally:
+        engine.scheduler.schedule = schedule
+    assert first_step == ["a", "b"]  # no step spent waiting: the leader found the blocks in the cache
+    assert cached == {"a": 2 * BLOCK, "b": 2 * BLOCK}
