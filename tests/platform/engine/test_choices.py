@@ -199,3 +199,4 @@ def test_siblings_of_a_prompt_already_cached_start_in_the_leaders_step(engine) -
         engine.scheduler.schedule = schedule
     assert first_step == ["a", "b"]  # no step spent waiting: the leader found the blocks in the cache
     assert cached == {"a": 2 * BLOCK, "b": 2 * BLOCK}
+    assert computed == {"a": len(prompt) - 2 * BLOCK, "b": len(prompt) - 2 * BLOCK}
