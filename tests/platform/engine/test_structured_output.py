@@ -207,3 +207,22 @@ def test_padded_vocabulary_columns_are_never_allowed() -> None:
     assert allowed and max(allowed) < tokenizer.vocab_size
     assert {tokenizer.decode([t]) for t in allowed} == {"{", "{}"}  # how an object starts, without whitespace
     assert torch.equal(logits, torch.zeros(1, padded))  # the executor's logits are left alone
+
+
+def test_eos_is_allowed_only_where_the_grammar_accepts() -> None:
+    tokenizer = LLM(EXAMPLE).tokenizer
+    eos = sorted(tokenizer.eos_token_ids)
+    structured = StructuredRequests(GrammarCompiler(tokenizer, tokenizer.vocab_size))
+    structured.add("r", StructuredOutput("regex", r"ab( cd)?"))
+    req = Request("r", [1, 2], SamplingParams(), 0)
+
+    def allowed() -> set[int]:
+        masked = structured.apply(structured.start_masks([req]), torch.zeros(1, tokenizer.vocab_size), [1])
+        return set(torch.isfinite(masked[0]).nonzero().flatten().tolist())
+
+    assert not allowed() & set(eos)  # nothing written yet: the regex is not matched
+    assert not any(structured.accept("r", t) for t in tokenizer.encode("ab", add_special_tokens=False))
+    after_ab = allowed()
+    assert set(eos) <= after_ab and len(after_ab) > len(eos)  # complete, but " cd" may follow
+    assert [structured.accept("r", t) for t in tokenizer.encode(" cd", add_special_tokens=False)][-1]  # stopped
+    assert allowed() == set(eos)
