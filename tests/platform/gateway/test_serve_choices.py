@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -52,6 +53,27 @@ class Served:
         return total
 
 
+def package_with_adapter(root: Path) -> Path:
+    """The example package with a LoRA adapter "sql" (random weights: what matters is that it is listed and used)."""
+    import peft
+    import torch
+    import transformers
+
+    pkg = root / "pkg"
+    shutil.copytree(EXAMPLE, pkg, ignore=shutil.ignore_patterns("__pycache__", "ember.lock"))
+    base = transformers.AutoModelForCausalLM.from_pretrained(pkg / "weights")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    model.save_pretrained(pkg / "adapters" / "sql")
+    with open(pkg / "ember.toml", "a") as f:
+        f.write('\n[[lora]]\nname = "sql"\npath = "adapters/sql"\n')
+    return pkg
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, stop_serve: Callable[..., None],
            serve_ready_url: Callable[..., str]) -> Iterator[Served]:
@@ -64,7 +86,8 @@ def served(tmp_path_factory: pytest.TempPathFactory, stop_serve: Callable[..., N
     assert created.returncode == 0, created.stderr
     log = tmp / "serve.log"
     with open(log, "w") as log_file:
-        process = subprocess.Popen([sys.executable, "-m", "ember", "serve", str(EXAMPLE), "--port", "0"], env=env,
+        package = package_with_adapter(tmp)
+        process = subprocess.Popen([sys.executable, "-m", "ember", "serve", str(package), "--port", "0"], env=env,
                                    stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=REPO)
     server = Served("", created.stdout.strip(), tmp / "home", log)
     pids: set[int] = set()
@@ -303,8 +326,26 @@ def test_models_retrieve(served: Served) -> None:
         served.client().models.retrieve("no-such-model")
     assert "'no-such-model'" in caught.value.message and MODEL in caught.value.message
     assert caught.value.body["code"] == "model_not_found" and caught.value.body["param"] == "model"
-    with pytest.raises(openai.NotFoundError):
+    adapter = served.client().models.retrieve(f"{MODEL}:sql")
+    assert (adapter.id, adapter.object, adapter.owned_by) == (f"{MODEL}:sql", "model", "ember")
+    assert served.client(f"/models/{MODEL}/v1").models.retrieve(f"{MODEL}:sql").id == f"{MODEL}:sql"
+    with pytest.raises(openai.NotFoundError) as caught:
         served.client().models.retrieve(f"{MODEL}:no-adapter")
+    assert f"{MODEL}:sql" in caught.value.message  # the 404 lists what is served
+    with pytest.raises(openai.NotFoundError):
+        served.client(f"/models/{MODEL}/v1").models.retrieve("other-model")
+
+
+def test_n_choices_of_an_adapter_share_their_prefill_too(served: Served) -> None:
+    client = served.client()
+    prompt = "import json\n\n\ndef load(path):\n    with open(path) as f:\n        return json.load(f)\n\n\n"
+    hits = served.replica_counter("ember_prefix_cache_hit_tokens_total")
+    reply = client.completions.create(model=f"{MODEL}:sql", prompt=prompt, max_tokens=3, temperature=0, n=3)
+    full = (reply.usage.prompt_tokens - 1) // BLOCK * BLOCK
+    assert full >= BLOCK and len(reply.choices) == 3
+    assert served.replica_counter("ember_prefix_cache_hit_tokens_total") - hits == 2 * full
+    base = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    assert base.choices[0].text != reply.choices[0].text  # the adapter was used
 
 
 # --- bad values ----------------------------------------------------------------------------------------------------
