@@ -13,6 +13,7 @@ from ember.errors import EmberError
 # Modules under ember.cli, in the order their commands appear in `ember --help`.
 COMMAND_MODULES = (
     "package_cmds",   # init, build, verify, schema
+    "quantize_cmds",  # quantize
     "registry_cmds",  # push, pull, ls
     "plugin_cmds",    # plugins, explain
     "serve_cmds",     # serve, deploy, call, keys

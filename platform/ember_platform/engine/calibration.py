@@ -9,6 +9,7 @@ no network and gives the same result on every machine.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,11 +26,17 @@ if TYPE_CHECKING:
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "calibration.txt"
 PACKAGE_FILE = "calibration.txt"
+CALIBRATION_ENV = "EMBER_CALIBRATION_FILE"
 BLOCK_SIZE = 16
 
 
 def calibration_text(package_root: Path | None) -> tuple[str, Path]:
-    """(text, where it came from): the package's calibration.txt, else the default corpus."""
+    """(text, where it came from): the file $EMBER_CALIBRATION_FILE names (`ember quantize --calibration`), else
+    the package's calibration.txt, else the default corpus."""
+    override = os.environ.get(CALIBRATION_ENV)
+    if override:
+        path = Path(override)
+        return path.read_text(encoding="utf-8"), path
     path = package_root / PACKAGE_FILE if package_root is not None else None
     if path is None or not path.is_file():
         path = DEFAULT_CORPUS
@@ -52,6 +59,13 @@ class CalibrationContext:
         """The calibration text as token id sequences (the first `max_tokens` tokens, cut in sequences)."""
         ids = self.tokenizer.encode(self.text, add_special_tokens=False)[: self.max_tokens]
         return [ids[i:i + self.sequence_length] for i in range(0, len(ids), self.sequence_length)]
+
+    def run(self, ids: list[int]) -> torch.Tensor:
+        """One prefill of a token sequence through the model as it is now (layers finalized so far compute
+        quantized): hidden states [T, D]. For techniques that calibrate layer after layer on the outputs of the
+        layers they already quantized (gptq), where `capture`'s one full-precision run is not enough."""
+        with torch.inference_mode():
+            return run_prefill(self.model, ids)
 
     def capture(self, layers: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """The inputs of each linear layer (by module name; `layers` None: all) over every calibration token,

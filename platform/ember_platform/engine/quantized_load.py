@@ -27,6 +27,7 @@ from ember_platform.engine.linear_method import (
     set_linear_methods,
 )
 from ember_platform.engine.models.loader import load_weights
+from ember_platform.engine.packaged_quantized import find_entry
 from ember_platform.engine.quantization import QuantizationContext, QuantizationError, Quantizer, method_for
 from ember_platform.engine.quantized_cache import QuantizedWeightCache
 from ember_platform.kvtiers.identity import model_identity
@@ -110,6 +111,18 @@ def load_quantized(model: nn.Module, build: Callable[[], nn.Module], *, source: 
     for i, technique in enumerate(chain):
         technique.prepare(QuantizationContext(structure, hf_config, checkpoint, names, i))
 
+    # Quantized weights the package ships (`ember quantize`), then the engine's own cache of an earlier start.
+    shipped = (find_entry(source.root, source.weights_dir, selection.name, selection.options, dtype)
+               if checkpoint is None and source.is_package else None)
+    if shipped is not None and _restored_factory(chain) is not None:
+        try:
+            methods = set_linear_methods(model, _restored_factory(chain), dtype)
+            load_weights(model, shipped)
+            log.info("quantized weights loaded from the package: %s", shipped)
+            return model, QuantizedLoad(names, {"load": time.perf_counter() - t0, "quantize": 0.0}, True, methods)
+        except (OSError, ValueError) as e:  # QuantizationError is a ValueError
+            log.warning("the package's quantized weights %s do not load (%s); quantizing at start", shipped, e)
+            model = build()
     cache = QuantizedWeightCache.default() if checkpoint is None else None  # a pre-quantized load has no cost
     key = None
     if cache is not None:

@@ -24,5 +24,7 @@ def ember_quantizers(register) -> None:
                      "format (config.json quantization_config), straight into the int8 (int4) kernels",
              options=("kernel", "dense_threshold"))
     register("gptq", "ember_plugins.quantization.gptq:GPTQQuantizer",
-             summary="loads GPTQ 4-bit checkpoints (config.json quantization_config) into the int4 kernels",
-             options=("kernel",))
+             summary="curvature-based: calibrates a full-precision checkpoint and quantizes it layer after layer "
+                     "with GPTQ (Hessian error feedback, act-order, groups) into the int4 or int8 kernels; loads "
+                     "GPTQ 4-bit checkpoints (config.json quantization_config) into the int4 kernels",
+             options=("bits", "group_size", "sym", "act_order", "damp", "num_samples", "seq_len", "skip", "kernel"))

@@ -23,6 +23,7 @@ from torch import nn
 
 from ember_platform.api import (
     UNQUANTIZED,
+    CalibrationContext,
     Linear,
     LinearMethod,
     LinearSpec,
@@ -104,21 +105,39 @@ class GPTQLinearMethod(LinearMethod):
 
 
 class GPTQQuantizer(Quantizer):
-    """Loads GPTQ 4-bit checkpoints; quantizes every linear but the LM head (unless the config's `lm_head`).
-    Option `kernel`: an int4 kernel (auto, native, int4pack, triton, dequant) or "reference"."""
+    """A GPTQ checkpoint (config.json quantization_config) loads as it is stored: every linear but the LM head
+    (unless the config's `lm_head`); its one option, `kernel`: an int4 kernel (auto, native, int4pack, triton,
+    dequant) or "reference". A full-precision checkpoint is calibrated and quantized by GPTQ here
+    (gptq_calibrated.py: its options, int4 or int8 layers)."""
 
     checkpoint_format = "gptq"
 
     def __init__(self, options: Mapping[str, Any]) -> None:
+        from ember_plugins.quantization.gptq_calibrated import GPTQSettings
+
         super().__init__(options)
         self.method: LinearMethod | None = None
         self.lm_head = False
+        self.settings = GPTQSettings.from_options(self.options)  # checked before any weight loads
+        self.calibrated: Any = None  # a gptq_calibrated.GPTQ, for a full-precision checkpoint
 
     def prepare(self, context: QuantizationContext) -> None:
         config = context.checkpoint_quantization
-        if config is None or config.get("quant_method") != "gptq":
+        if config is None:  # full precision: quantize it here, from calibration text
+            from ember_plugins.quantization.gptq_calibrated import GPTQ
+
+            self.calibrated = GPTQ(self.settings, context)
+            self.needs_calibration = True
+            return
+        if config.get("quant_method") != "gptq":
             raise QuantizationError("quantization 'gptq' loads GPTQ checkpoints (config.json quantization_config."
-                                    "quant_method = \"gptq\"); this checkpoint has none")
+                                    f"quant_method = \"gptq\") or quantizes full-precision ones; this checkpoint is "
+                                    f"quantized by {config.get('quant_method')!r}")
+        stray = sorted(set(self.options) - {"kernel"})
+        if stray:
+            raise QuantizationError(f"quantization.options.{stray[0]}: this checkpoint is already quantized by GPTQ "
+                                    "(config.json quantization_config); only `kernel` applies to it, the other "
+                                    "options to quantizing full-precision weights")
         if context.position != len(context.chain) - 1:
             raise QuantizationError("quantization 'gptq' loads stored 4-bit weights, so it must come last")
         unsupported = [(k, v, ok) for k, v, ok in (
@@ -143,9 +162,19 @@ class GPTQQuantizer(Quantizer):
         return GPTQInt4Method(group_size, kernel)
 
     def linear_method(self, spec: LinearSpec, inner: LinearMethod) -> LinearMethod:
+        if self.calibrated is not None:
+            return self.calibrated.linear_method(spec, inner)
         assert self.method is not None, "prepare() first"
         if inner is not UNQUANTIZED:
             raise QuantizationError("quantization 'gptq' must be the last method")
         if spec.kind == "lm_head" and not self.lm_head:
             return inner
         return self.method
+
+    def restored_method(self, spec: LinearSpec, inner: LinearMethod) -> LinearMethod | None:
+        """What quantizing made (int4 or int8 layers), loaded back; None for a GPTQ checkpoint (loading it
+        costs nothing to cache)."""
+        return None if self.calibrated is None else self.calibrated.restored_method(spec, inner)
+
+    def calibrate(self, calibration: CalibrationContext) -> None:
+        self.calibrated.calibrate(calibration)
