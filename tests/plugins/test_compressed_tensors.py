@@ -152,7 +152,8 @@ def test_int8_on_a_prequantized_checkpoint_is_refused(checkpoints: tuple[Path, P
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"format": "float-quantized"}, r"not supported yet: compressed-tensors format 'float-quantized'"),
+    ({"format": "marlin-24"}, r"not supported yet: compressed-tensors format 'marlin-24'"),
+    ({"format": "float-quantized"}, r"not supported yet: compressed-tensors int weights in format 'float-quantized'"),
     ({"config_groups.input_activations": {"num_bits": 8, "type": "int"}},
      r"not supported yet: .*input_activations \(activation quantization\)"),
     ({"weights.num_bits": 4}, r"not supported yet: compressed-tensors 4-bit weights in format 'int-quantized'"),

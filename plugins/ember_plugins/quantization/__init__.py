@@ -20,9 +20,10 @@ def ember_quantizers(register) -> None:
                      "torch._scaled_mm on GPUs of compute capability >= 8.9",
              options=("skip", "kernel", "dense_threshold", "activations"))
     register("compressed-tensors", "ember_plugins.quantization.compressed_tensors:CompressedTensorsQuantizer",
-             summary="loads checkpoints already quantized to int8 (or 4-bit pack-quantized) in the compressed-tensors "
-                     "format (config.json quantization_config), straight into the int8 (int4) kernels",
-             options=("kernel", "dense_threshold"))
+             summary="loads checkpoints already quantized to int8, 4-bit pack-quantized or fp8 float-quantized in the "
+                     "compressed-tensors format (config.json quantization_config), straight into the int8, int4 or "
+                     "fp8 kernels",
+             options=("kernel", "dense_threshold", "activations"))
     register("gptq", "ember_plugins.quantization.gptq:GPTQQuantizer",
              summary="curvature-based: calibrates a full-precision checkpoint and quantizes it layer after layer "
                      "with GPTQ (Hessian error feedback, act-order, groups) into the int4 or int8 kernels; loads "

@@ -6,9 +6,13 @@ one scale per output channel (`strategy: "channel"`), stored as `weight` int8 (`
 four to an int32 (`weight_packed` + `weight_shape`, `format: "pack-quantized"`), with `weight_scale` [out, 1].
 Layers in `ignore` (names, or "re:" regular expressions, of the checkpoint's modules) load in full precision.
 4-bit `pack-quantized` weights (strategy "group" or "channel", symmetric or not) load into the int4 kernels
-(`int4_checkpoints.CompressedTensorsInt4Method`). Anything else in the format (activation quantization, int8
-groups, act-order, sparsity, a quantized KV cache) is refused with what is not supported yet, rather than loaded
-wrong.
+(`int4_checkpoints.CompressedTensorsInt4Method`). fp8 (`format: "float-quantized"`: `weight` float8_e4m3fn, one
+`weight_scale` per channel [out, 1] or per tensor) loads into the fp8 layers (`fp8.Fp8LinearMethod`): weight-only,
+or W8A8 where the checkpoint quantizes activations too (dynamic per token, or static per tensor with an
+`input_scale`), which needs a GPU of compute capability >= 8.9; elsewhere option `activations = "none"` runs its
+fp8 weights with full-precision activations, and without it the load is refused, saying so. Anything else in the
+format (int8 activation quantization, int8 groups, act-order, sparsity, a quantized KV cache) is refused with what is
+not supported yet, rather than loaded wrong.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from ember_platform.api import (
 )
 from ember_plugins.quantization.int8 import Int8LinearMethod
 
-FORMATS = ("int-quantized", "pack-quantized")
+FORMATS = ("int-quantized", "pack-quantized", "float-quantized")
 PACK_FACTOR = 4  # int8 values per int32 in pack-quantized
 
 
@@ -99,6 +103,55 @@ def int4_method(weights: Mapping[str, Any], where: str, fmt: str, options: Mappi
                                        str(options.get("kernel", "auto")))
 
 
+def fp8_method(group: Mapping[str, Any], where: str, fmt: str, options: Mapping[str, Any]) -> LinearMethod:
+    """The fp8 layers' method for a float-quantized group (FP8 and FP8_DYNAMIC schemes, or weight-only)."""
+    from ember_plugins.quantization.fp8 import Fp8LinearMethod, check_w8a8_device
+
+    if fmt != "float-quantized":
+        raise QuantizationError(f"not supported yet: compressed-tensors fp8 weights in format {fmt!r} "
+                                "(supported: float-quantized)")
+    weights = group.get("weights") or {}
+    wanted = {"num_bits": 8, "type": "float", "symmetric": True}
+    for key, value in wanted.items():
+        if weights.get(key) != value:
+            raise QuantizationError(f"not supported yet: {where}.weights.{key} = {weights.get(key)!r} "
+                                    f"(supported: {value!r})")
+    if weights.get("strategy") not in ("channel", "tensor"):
+        raise QuantizationError(f"not supported yet: {where}.weights.strategy = {weights.get('strategy')!r} for "
+                                "fp8 (supported: 'channel', 'tensor')")
+    if weights.get("dynamic") or weights.get("group_size") is not None:
+        raise QuantizationError(f"not supported yet: {where}.weights with dynamic or group_size")
+    if group.get("output_activations"):
+        raise QuantizationError(f"not supported yet: {where}.output_activations")
+    acts = group.get("input_activations")
+    static = False
+    if acts:
+        for key, value in wanted.items():
+            if acts.get(key) != value:
+                raise QuantizationError(f"not supported yet: {where}.input_activations.{key} = {acts.get(key)!r} "
+                                        f"(supported: {value!r})")
+        scheme = (acts.get("strategy"), bool(acts.get("dynamic")))
+        if scheme not in (("token", True), ("tensor", False)):
+            raise QuantizationError(f"not supported yet: {where}.input_activations with strategy "
+                                    f"{scheme[0]!r}, dynamic {scheme[1]} (supported: per token dynamic, per tensor "
+                                    "static)")
+        static = scheme == ("tensor", False)
+    activations = str(options.get("activations", "fp8" if acts else "none"))
+    if activations == "fp8" and not torch.cuda.is_available():
+        try:
+            check_w8a8_device(torch.device("cpu"))
+        except QuantizationError as e:
+            said = f"{where}.input_activations: the checkpoint quantizes activations to fp8" if acts else str(e)
+            raise QuantizationError(f"{said} (W8A8, through torch._scaled_mm), which needs a CUDA GPU of compute "
+                                    "capability >= 8.9, and this machine has none: set [quantization] method = "
+                                    "\"compressed-tensors\" with quantization.options.activations = \"none\" to run "
+                                    "its fp8 weights with full-precision activations") from None
+    threshold = options.get("dense_threshold")
+    return Fp8LinearMethod(str(options.get("kernel", "auto")), None if threshold is None else int(threshold),
+                           activations, prequantized=True, static_input_scale=static,
+                           tensor_scales=weights.get("strategy") == "tensor")
+
+
 def ignored(pattern: str, module: str) -> bool:
     """Whether an `ignore` entry names this checkpoint module ("re:<regex>" or a name, matched whole or as
     the module's last part, e.g. "lm_head")."""
@@ -108,7 +161,8 @@ def ignored(pattern: str, module: str) -> bool:
 
 
 class CompressedTensorsQuantizer(Quantizer):
-    """Loads compressed-tensors int8 checkpoints. Options: `kernel`, `dense_threshold` (as for int8)."""
+    """Loads compressed-tensors int8, int4 and fp8 checkpoints. Options: `kernel`, `dense_threshold` (as for int8
+    or fp8), `activations` (fp8: "none" or "fp8", as for the fp8 quantizer; default: what the checkpoint says)."""
 
     checkpoint_format = "compressed-tensors"
 
@@ -146,6 +200,10 @@ class CompressedTensorsQuantizer(Quantizer):
         where = f"quantization_config.config_groups.{name}"
         if list(group.get("targets") or []) != ["Linear"]:
             raise QuantizationError(f"not supported yet: {where}.targets {group.get('targets')!r} (only [\"Linear\"])")
+        if (group.get("weights") or {}).get("type") == "float":
+            self.ignore = tuple(config.get("ignore") or ())
+            self.method = fp8_method(group, where, fmt, self.options)
+            return
         for key in ("input_activations", "output_activations"):
             if group.get(key):
                 raise QuantizationError(f"not supported yet: {where}.{key} (activation quantization); "
@@ -155,6 +213,9 @@ class CompressedTensorsQuantizer(Quantizer):
             self.ignore = tuple(config.get("ignore") or ())
             self.method = int4_method(weights, where, fmt, self.options)
             return
+        if fmt == "float-quantized":
+            raise QuantizationError(f"not supported yet: compressed-tensors int weights in format {fmt!r} "
+                                    "(float-quantized holds fp8: weights.type \"float\")")
         wanted = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
         for key, value in wanted.items():
             if weights.get(key) != value:

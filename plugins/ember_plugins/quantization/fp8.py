@@ -104,12 +104,13 @@ def scaled_mm_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch
 
 class Fp8LinearMethod(LinearMethod):
     """y = x @ (weight * weight_scale).T + bias, with weight: [out, in] float8_e4m3fn and weight_scale: [out]
-    float32. `prequantized`: the layer loads those tensors (a compressed-tensors fp8 checkpoint, whose scales may
-    be per tensor: one per checkpoint shard, spread over its rows; the quantized-weight cache); else it loads the
-    full-precision `weight` and quantizes it in `after_loading`."""
+    float32. `prequantized`: the layer loads those tensors (a compressed-tensors fp8 checkpoint, the quantized-weight
+    cache); else it loads the full-precision `weight` and quantizes it in `after_loading`. `tensor_scales`: the
+    checkpoint has one scale per tensor, so a fused layer loads one per shard (q, k, v), spread over each shard's
+    rows once loaded."""
 
     def __init__(self, kernel: str = "auto", dense_threshold: int | None = None, activations: str = "none", *,
-                 prequantized: bool = False, static_input_scale: bool = False) -> None:
+                 prequantized: bool = False, static_input_scale: bool = False, tensor_scales: bool = False) -> None:
         if kernel not in KERNELS:
             raise QuantizationError(f"quantization.options.kernel = {kernel!r}: fp8 kernels are "
                                     f"{', '.join(KERNELS)}")
@@ -118,13 +119,17 @@ class Fp8LinearMethod(LinearMethod):
                                     f"{', '.join(ACTIVATIONS)} (\"none\": weight-only, \"fp8\": W8A8)")
         self.kernel, self.dense_threshold, self.activations = kernel, dense_threshold, activations
         self.prequantized, self.static_input_scale = prequantized, static_input_scale
+        self.tensor_scales = tensor_scales
         self.full_precision_until_loaded = not prequantized
 
     def create_weights(self, layer: Linear) -> None:
         shape = (layer.out_features, layer.in_features)
         if self.prequantized:
             layer.add_weight("weight", shape, torch.float8_e4m3fn)
-            layer.add_weight("weight_scale", (layer.out_features,), torch.float32)
+            if self.tensor_scales:
+                layer.add_weight("weight_scale", (len(layer.shard_sizes),), torch.float32, output_dim=None)
+            else:
+                layer.add_weight("weight_scale", (layer.out_features,), torch.float32)
             if self.static_input_scale:  # one per checkpoint shard, all of the same input: the largest is kept
                 layer.add_weight("input_scale", (1,), torch.float32, output_dim=None)
         else:
@@ -132,11 +137,15 @@ class Fp8LinearMethod(LinearMethod):
 
     def load_weight(self, layer: Linear, name: str, param: nn.Parameter, loaded: torch.Tensor,
                     shard_id: Any) -> None:
+        if name == "weight_scale" and self.tensor_scales:
+            value = loaded.reshape(-1).float()
+            if value.numel() != 1:
+                raise QuantizationError(f"weight_scale of {value.numel()} values where the checkpoint's scheme "
+                                        "(strategy \"tensor\") has one")
+            param.data[list(layer.shard_sizes).index(shard_id)] = value[0]
+            return
         if name == "weight_scale":
             loaded = loaded.reshape(-1).float()
-            if loaded.numel() == 1:  # per-tensor: this shard's rows share it
-                rows = layer.shard_sizes[shard_id] if shard_id is not None else layer.out_features
-                loaded = loaded.expand(rows)
         elif name == "input_scale":
             value = loaded.reshape(-1).float()
             if value.numel() != 1:
@@ -152,6 +161,8 @@ class Fp8LinearMethod(LinearMethod):
         weight = layer.weight
         if self.prequantized:
             qweight, scale = weight.data, layer.weight_scale.data.float()
+            if self.tensor_scales:  # one per shard -> one per output channel
+                scale = torch.cat([s.expand(rows) for s, rows in zip(scale, layer.shard_sizes.values(), strict=True)])
         else:
             qweight, scale = quantize_fp8_per_channel(weight.data)
         del layer.weight, weight
