@@ -101,6 +101,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
+        self._compiling: dict[StructuredOutput, Future[llguidance.LLMatcher]] = {}  # being compiled now
         self.num_compiled = 0
         self.num_cache_hits = 0
 
@@ -123,7 +124,9 @@ class GrammarCompiler:
     def compile(self, structured: StructuredOutput) -> llguidance.LLMatcher:
         """The compiled grammar of `structured` (a pristine matcher: copy it, never advance it).
 
-        Raises StructuredOutputError with llguidance's reason when it cannot be honored.
+        Requests that bring the same constraint at once share one compile: the first compiles, the others wait
+        for it (and count as cache hits). Raises StructuredOutputError with llguidance's reason when it cannot be
+        honored.
         """
         with self._lock:
             cached = self._cache.get(structured)
@@ -131,6 +134,25 @@ class GrammarCompiler:
                 self._cache.move_to_end(structured)
                 self.num_cache_hits += 1
                 return cached
+            pending = self._compiling.get(structured)
+            if pending is not None:
+                self.num_cache_hits += 1
+            else:
+                self._compiling[structured] = compiling = Future()
+        if pending is not None:
+            return pending.result()  # the first request's matcher, or its error
+        try:
+            matcher = self._build(structured)
+        except BaseException as e:
+            compiling.set_exception(e)
+            raise
+        finally:
+            with self._lock:
+                self._compiling.pop(structured, None)
+        compiling.set_result(matcher)
+        return matcher
+
+    def _build(self, structured: StructuredOutput) -> llguidance.LLMatcher:
         import llguidance
 
         tokenizer = self.ll_tokenizer

@@ -66,6 +66,10 @@ class _EngineCollector(Collector):
             ("ember_prefix_cache_hit_tokens", "Looked-up tokens found in the prefix cache, not computed (n choices "
              "of one prompt hit it for the prompt their first choice computed).",
              stats.get("prefix_cache_hit_tokens", 0)),
+            ("ember_grammars_compiled", "Output constraints (schemas, regexes, grammars) compiled.",
+             stats.get("grammars_compiled", 0)),
+            ("ember_grammar_cache_hits", "Output constraints found compiled already (one compile per schema).",
+             stats.get("grammar_cache_hits", 0)),
         ]
         for name, documentation, value in counters:
             yield CounterMetricFamily(name, documentation, value=value)

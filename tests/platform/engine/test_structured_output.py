@@ -120,6 +120,28 @@ def test_a_grammar_is_compiled_once_and_then_served_from_the_cache() -> None:
     assert stats["grammars_compiled"] == 1 and stats["grammar_cache_hits"] == 7
 
 
+def test_concurrent_requests_for_one_schema_share_one_compile() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    compiler = GrammarCompiler(LLM(EXAMPLE).tokenizer, 4096)
+    with ThreadPoolExecutor(8) as pool:  # as the replica's edge compiles: in worker threads
+        matchers = list(pool.map(lambda _: compiler.compile(JSON_SCHEMA), range(8)))
+    assert compiler.num_compiled == 1 and compiler.num_cache_hits == 7
+    assert all(m is matchers[0] for m in matchers)
+    bad = StructuredOutput("regex", "[a-z")
+    with ThreadPoolExecutor(4) as pool:  # an error reaches every waiter, and nothing is cached
+        errors = list(pool.map(lambda _: _compile_error(compiler, bad), range(4)))
+    assert all("unclosed character class" in e for e in errors) and not compiler.is_cached(bad)
+
+
+def _compile_error(compiler: GrammarCompiler, structured: StructuredOutput) -> str:
+    try:
+        compiler.compile(structured)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def test_the_cache_is_bounded() -> None:
     compiler = GrammarCompiler(LLM(EXAMPLE).tokenizer, 4096, cache_size=2)
     for pattern in ("a+", "b+", "c+"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -75,6 +76,20 @@ def served(tmp_path_factory: pytest.TempPathFactory, stop_serve: Callable[..., N
         stop_serve(process, server.pids, server.home)
 
 
+def replica_counter(served: Served, name: str) -> float:
+    """A counter summed over the deployment's replicas (their /metrics answer without a key)."""
+    deployment = httpx.get(f"{served.url}/admin/deployments/{MODEL}", timeout=60,
+                           headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
+    total = 0.0
+    for replica in deployment["replicas"]:
+        if replica["state"] == "ready":
+            text = httpx.get(f"{replica['url']}/metrics", timeout=10).text
+            match = re.search(rf"^{re.escape(name)}_total ([0-9.e+-]+)$", text, re.M)
+            assert match, f"{name} not in {replica['url']}/metrics"
+            total += float(match.group(1))
+    return total
+
+
 def ask(client: openai.OpenAI, seed: int, **kwargs: Any) -> Any:
     return client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Review a city as JSON."}], temperature=1.0, seed=seed,
@@ -83,6 +98,7 @@ def ask(client: openai.OpenAI, seed: int, **kwargs: Any) -> Any:
 
 def test_fifty_seeded_samples_at_temperature_1_all_validate_against_the_schema(served: Served) -> None:
     client = served.client()
+    compiled, hits = (replica_counter(served, f"ember_grammar{s}") for s in ("s_compiled", "_cache_hits"))
     with ThreadPoolExecutor(16) as pool:
         replies = list(pool.map(lambda seed: ask(client, seed, response_format=RESPONSE_FORMAT), range(50)))
     texts = [r.choices[0].message.content for r in replies]
@@ -90,6 +106,9 @@ def test_fifty_seeded_samples_at_temperature_1_all_validate_against_the_schema(s
         jsonschema.validate(json.loads(text), SCHEMA)
         assert reply.choices[0].finish_reason == "stop"
     assert len(set(texts)) > 10  # sampled, not one answer repeated
+    # The schema was compiled once; the other 49 requests found it in the replica's cache.
+    assert replica_counter(served, "ember_grammars_compiled") - compiled == 1
+    assert replica_counter(served, "ember_grammar_cache_hits") - hits >= 49
     # The same requests without the schema: the model's own output is not JSON at all.
     with ThreadPoolExecutor(16) as pool:
         free = list(pool.map(lambda seed: ask(client, seed).choices[0].message.content, range(10)))
