@@ -487,6 +487,16 @@ class CompletionRequest(GenerationRequest):
         return self.logprobs
 
     @property
+    def scores_prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt alone (with its logprobs), as lm-evaluation-harness asks to score text.
+        The engine samples one token anyway (the prefill's last logits make it free); the response leaves it out."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.scores_prompt_only else self.max_tokens
+
+    @property
     def num_candidates(self) -> int:
         return self.num_choices if self.best_of is None else self.best_of
 

@@ -212,12 +212,15 @@ def chat_completion(generations: Generation | Sequence[Generation], *, model: st
 def text_completion(generations: Sequence[Generation], *, model: str, token_text: TokenText,
                     logprobs: bool = False, completion_id: str | None = None, created: int | None = None,
                     candidates: int = 1, n: int | None = None, echo: Sequence[str] | None = None,
-                    echo_first_tokens: Sequence[int] | None = None) -> dict[str, Any]:
+                    echo_first_tokens: Sequence[int] | None = None, scores_prompt_only: bool = False) -> dict[str, Any]:
     """A `text_completion` object: `candidates` generations per prompt of the batch, of which the `n` (default: all)
     most likely are the choices, numbered prompt by prompt; usage sums every candidate's completion tokens.
     `echo`: each prompt's text, put before its choices' text; with logprobs, `echo_first_tokens` (each prompt's first
-    token id) and the generations' prompt_logprobs give the prompt's tokens their logprobs too."""
+    token id) and the generations' prompt_logprobs give the prompt's tokens their logprobs too.
+    `scores_prompt_only` (echo with max_tokens 0): the choices hold the prompt alone."""
     n = candidates if n is None else n
+    if scores_prompt_only:
+        generations = [prompt_only(g) for g in generations]
     choices = []
     for index, generation in enumerate(best_of(generations, candidates, n)):
         finish_reason = _openai_finish_reason(generation.finish_reason)
@@ -236,6 +239,12 @@ def text_completion(generations: Sequence[Generation], *, model: str, token_text
         "choices": choices,
         "usage": _total_usage([g.usage for g in generations], candidates),
     }
+
+
+def prompt_only(generation: Generation) -> Generation:
+    """The generation without its sampled tokens (echo with max_tokens 0: the one the engine made is not asked for)."""
+    usage = dataclasses.replace(generation.usage, completion_tokens=0) if generation.usage is not None else None
+    return dataclasses.replace(generation, text_parts=[], logprobs=[], usage=usage)
 
 
 def _choice_logprobs(generation: Generation, token_text: TokenText, first_token_id: int | None) -> dict[str, Any]:
@@ -394,12 +403,14 @@ class CompletionStream(_Stream):
 
     def __init__(self, *, model: str, token_text: TokenText, include_usage: bool = False, logprobs: bool = False,
                  completion_id: str | None = None, created: int | None = None, num_choices: int = 1, n: int = 1,
-                 echo: Sequence[str] | None = None, echo_first_tokens: Sequence[int] | None = None) -> None:
+                 echo: Sequence[str] | None = None, echo_first_tokens: Sequence[int] | None = None,
+                 scores_prompt_only: bool = False) -> None:
         super().__init__(model=model, token_text=token_text, include_usage=include_usage, logprobs=logprobs,
                          completion_id=completion_id or new_completion_id(), created=created,
                          num_choices=num_choices, n=n)
         self._text_offsets = [0] * num_choices
         self._echo = list(echo) if echo is not None else None
+        self._scores_prompt_only = scores_prompt_only  # echo with max_tokens 0: sampled tokens are left out
         # Per choice: its prompt's first token, for the first chunk's logprobs (echo with logprobs); None once sent.
         self._first_tokens: list[int | None] = list(echo_first_tokens) if echo_first_tokens is not None \
             else [None] * num_choices
@@ -408,6 +419,9 @@ class CompletionStream(_Stream):
         """The chunks (maybe none) that one engine output of choice `index` (`prompt * n + j`) adds."""
         if not 0 <= index < self.num_choices:
             raise IndexError(f"choice index {index} out of range for {self.num_choices} choices")
+        if self._scores_prompt_only and output.finish_reason != "abort":
+            output = dataclasses.replace(output, new_token_ids=[], new_text="", logprobs=None,
+                                         usage=dataclasses.replace(output.usage, completion_tokens=0))
         if self._echo is not None and self._echo[index] and output.finish_reason != "abort":
             prompt_logprobs = getattr(output, "prompt_logprobs", None) if self.logprobs else None
             logprobs = output.logprobs if prompt_logprobs is None else [*prompt_logprobs, *(output.logprobs or ())]

@@ -758,7 +758,8 @@ def create_app(replica: Replica, *, secret: str | None = None) -> Starlette:
                                       include_usage=body.include_usage, logprobs=body.wants_logprobs,
                                       completion_id=response_id, num_choices=len(choices.prompts), n=n,
                                       echo=None if echo is None else [text for text in echo for _ in range(n)],
-                                      echo_first_tokens=[ids[0] for ids in choices.prompts] if echo else None)
+                                      echo_first_tokens=[ids[0] for ids in choices.prompts] if echo else None,
+                                      scores_prompt_only=body.scores_prompt_only)
             return _sse_response(_events(replica, stream, choices.prompts, choices.params, body.cache_salt, adapter,
                                          data, choices.leaders))
         return await _generate(
@@ -766,7 +767,8 @@ def create_app(replica: Replica, *, secret: str | None = None) -> Starlette:
             lambda generations: text_completion(generations, model=body.model, token_text=replica.token_text,
                                                 logprobs=body.wants_logprobs, completion_id=response_id,
                                                 candidates=candidates, n=n, echo=echo,
-                                                echo_first_tokens=[ids[0] for ids in prompts] if echo else None),
+                                                echo_first_tokens=[ids[0] for ids in prompts] if echo else None,
+                                                scores_prompt_only=body.scores_prompt_only),
             leaders=choices.leaders, wants_logprobs=body.wants_logprobs)
 
     async def health(request: Request) -> Response:

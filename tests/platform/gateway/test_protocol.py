@@ -366,3 +366,10 @@ def test_the_protocol_layer_does_not_import_torch() -> None:
     code = ("import sys; import ember_platform.gateway.protocol, ember_platform.gateway.responses, "
             "ember_platform.gateway.errors; assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, capture_output=True)
+
+
+def test_echo_with_max_tokens_0_asks_the_engine_for_one_token_and_scores_the_prompt() -> None:
+    request = parse_completion_request(completion(echo=True, max_tokens=0, logprobs=1))
+    params = request.to_sampling_params(100)
+    assert request.scores_prompt_only and (params.max_tokens, params.prompt_logprobs) == (1, 1)
+    assert completion_error(completion(max_tokens=0)).param == "max_tokens"  # nothing to return without echo

@@ -102,6 +102,8 @@ def served(tmp_path_factory: pytest.TempPathFactory, stop_serve: Callable[..., N
 
 
 def chat(client: openai.OpenAI, **kwargs: Any) -> Any:
+    """A chat completion of PROMPT; with no `extra_body`, EOS is ignored so that token counts are exact."""
+    kwargs.setdefault("extra_body", {"ignore_eos": True})
     return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}], **kwargs)
 
 
@@ -169,16 +171,18 @@ def test_chat_n3_streamed_carries_each_choice_by_index_and_matches_the_unstreame
 def test_completions_n_with_several_prompts_numbers_choices_prompt_by_prompt(served: Served) -> None:
     client = served.client()
     prompts = ["import os\n", "def main():\n"]
-    reply = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=1.0, seed=3, n=2)
+    reply = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=1.0, seed=3, n=2,
+                                      extra_body={"ignore_eos": True})
     assert [c.index for c in reply.choices] == [0, 1, 2, 3]
     for p, prompt in enumerate(prompts):
-        alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=1.0, seed=3, n=2)
+        alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=1.0, seed=3, n=2,
+                                          extra_body={"ignore_eos": True})
         assert [c.text for c in reply.choices[2 * p:2 * p + 2]] == [c.text for c in alone.choices]
     separate = [client.completions.create(model=MODEL, prompt=p, max_tokens=1).usage.prompt_tokens for p in prompts]
     assert reply.usage.prompt_tokens == sum(separate) and reply.usage.completion_tokens == 20
     streamed = ["", "", "", ""]
     for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=1.0, seed=3, n=2,
-                                           stream=True):
+                                           stream=True, extra_body={"ignore_eos": True}):
         for choice in chunk.choices:
             streamed[choice.index] += choice.text
     assert streamed == [c.text for c in reply.choices]
@@ -189,7 +193,8 @@ def test_completions_n_with_several_prompts_numbers_choices_prompt_by_prompt(ser
 
 def test_best_of_returns_the_candidate_with_the_highest_cumulative_logprob(served: Served) -> None:
     client = served.client()
-    kwargs = {"model": MODEL, "prompt": "def parse(", "max_tokens": 6, "temperature": 1.0, "seed": 21}
+    kwargs = {"model": MODEL, "prompt": "def parse(", "max_tokens": 6, "temperature": 1.0, "seed": 21,
+              "extra_body": {"ignore_eos": True}}
     candidates = client.completions.create(**kwargs, n=4, logprobs=0).choices  # the same seeds: the same 4
     scores = [sum(c.logprobs.token_logprobs) for c in candidates]
     best = client.completions.create(**kwargs, best_of=4)
@@ -273,6 +278,26 @@ def test_echo_with_logprobs_gives_the_prompt_tokens_logprobs_the_first_null(serv
     whole = reply.choices[0].logprobs
     assert [t for t, _, _ in streamed] == whole.tokens and [o for _, _, o in streamed] == whole.text_offset
     assert streamed[0][1] is None
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(served: Served) -> None:
+    """What lm-evaluation-harness sends to score a text: the prompt's logprobs, nothing generated."""
+    client = served.client()
+    prompt = "import os\nimport sys\n"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, logprobs=1, echo=True)
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, temperature=0, logprobs=1, echo=True)
+    num_prompt = scored.usage.prompt_tokens
+    choice = scored.choices[0]
+    assert choice.text == prompt and scored.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    assert choice.logprobs.tokens == full.choices[0].logprobs.tokens[:num_prompt]
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(full.choices[0].logprobs.token_logprobs[1:num_prompt],
+                                                               abs=1e-5)
+    streamed = "".join(c.text for chunk in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=0, logprobs=1, echo=True, stream=True) for c in chunk.choices)
+    assert streamed == prompt
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)  # without echo there is nothing to return
+    assert caught.value.body["param"] == "max_tokens"
 
 
 def test_completion_logprobs_have_openais_shape(served: Served) -> None:
