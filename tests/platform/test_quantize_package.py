@@ -1,19 +1,24 @@
 """`ember quantize DIR --method M [--calibration FILE]` end to end on a copy of the example package: the quantized
 weights and a quality report land in the package, locked and verified like the weights; serving the package then
 loads them without calibrating or quantizing, and computes what a fresh quantization on the same text computes.
-Errors name the flag or file and key."""
+A replica process serving it reports no quantize phase. Errors name the flag or file and key."""
 
 from __future__ import annotations
 
 import inspect
 import json
 import logging
+import os
 import re
 import shutil
+import subprocess
+import sys
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import torch
 
@@ -46,6 +51,33 @@ def quantize(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict,
 def logits(llm: LLM) -> torch.Tensor:
     with torch.inference_mode():
         return llm.engine.model.compute_logits(run_prefill(llm.engine.model, IDS))
+
+
+def serve_once(package: Path, tmp_path: Path, prompt: list[int]) -> tuple[dict, str]:
+    """Start a replica process for `package` (no quantized-weight cache, no calibration file it could read), ask it
+    /info and one greedy completion of 16 tokens, stop it."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "EMBER_QUANTIZED_CACHE": "off",
+           "EMBER_CALIBRATION_FILE": str(tmp_path / "absent.txt")}
+    with (tmp_path / "replica.log").open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "ember_platform.replica", "--package", str(package), "--port",
+                                 "0", "--threads", "1", "--log-level", "warning", "--no-auth"],
+                                stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # ends when the process does
+            if line.startswith("EMBER_REPLICA_READY "):
+                url = line.split(" ", 1)[1].strip()
+                break
+        else:
+            pytest.fail(f"the replica exited before it was ready:\n{(tmp_path / 'replica.log').read_text()[-3000:]}")
+        info = httpx.get(f"{url}/info", timeout=30).json()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+        out = client.completions.create(model=info["name"], prompt=prompt, max_tokens=16, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        return info, out.choices[0].text
+    finally:
+        proc.kill()
+        proc.wait(timeout=15)
 
 
 def test_quantize_ships_gptq_weights_that_replicas_load_without_quantizing(
@@ -87,6 +119,11 @@ def test_quantize_ships_gptq_weights_that_replicas_load_without_quantizing(
     torch.testing.assert_close(logits(served), logits(fresh), rtol=0, atol=1e-5)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     assert served.generate([IDS[:8]], params)[0].token_ids == fresh.generate([IDS[:8]], params)[0].token_ids
+
+    # A replica process serving the package: its cold start shows no quantize phase, and it answers as the engine.
+    replica_info, text = serve_once(package, tmp_path, IDS[:8])
+    assert replica_info["timings"]["quantize"] == 0.0 and replica_info["selections"]["quantization"]["name"] == "gptq"
+    assert text == served.tokenizer.decode(served.generate([IDS[:8]], params)[0].token_ids)
 
     weights = package / "quantized" / "gptq" / "model.safetensors"
     data = bytearray(weights.read_bytes())
