@@ -4,10 +4,10 @@ loads the quantized tensors instead of loading full precision and quantizing.
 An entry is a checkpoint directory (`<key>/model.safetensors`, the quantized model's state dict) that the generic
 loader reads like any other, each layer through the method its technique restores it with
 (`Quantizer.restored_method`). Keyed by (weights digest, quantization methods and options, dtype, device kind,
-torch version, the quantizers' source): anything that could change the quantized tensors changes the key, so a
-stale entry is never used. Entries live under `$EMBER_QUANTIZED_CACHE` (default `~/.cache/ember/quantized`),
-written atomically; a corrupt or unreadable entry is a miss (and is rewritten). `EMBER_QUANTIZED_CACHE=off`
-disables it.
+torch version, the source of the quantizers' modules and their siblings): anything that could change the
+quantized tensors changes the key, so a stale entry is never used. Entries live under `$EMBER_QUANTIZED_CACHE`
+(default `~/.cache/ember/quantized`), written atomically; a corrupt or unreadable entry is a miss (and is
+rewritten). `EMBER_QUANTIZED_CACHE=off` disables it.
 """
 
 from __future__ import annotations
@@ -32,6 +32,18 @@ log = logging.getLogger(__name__)
 CACHE_ENV = "EMBER_QUANTIZED_CACHE"
 
 
+def _sibling_sources(quantizer: type) -> list[str]:
+    """The source files beside the quantizer's module: a technique split into modules (gptq's algorithm lives
+    beside its Quantizer) changes its tensors when any of them changes. Read from disk, so the key does not
+    depend on which of them happen to be imported yet."""
+    module = inspect.getmodule(quantizer)
+    path = getattr(module, "__file__", None)
+    if not path:
+        return []
+    folder = Path(path).parent
+    return [f"{p.name}\n{p.read_text(encoding='utf-8', errors='replace')}" for p in sorted(folder.glob("*.py"))]
+
+
 class QuantizedWeightCache:
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -52,6 +64,7 @@ class QuantizedWeightCache:
                 sources.append(inspect.getsource(inspect.getmodule(quantizer) or quantizer))
             except (OSError, TypeError):
                 sources.append(quantizer.__qualname__)
+            sources += _sibling_sources(quantizer)
         digest = hashlib.sha256("\n".join(sources).encode()).hexdigest()
         parts = [weights_identity, method, json.dumps(dict(options), sort_keys=True, default=str), str(dtype),
                  device.type, torch.__version__, digest]
