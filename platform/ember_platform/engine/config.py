@@ -22,6 +22,7 @@ _OVERRIDES: dict[str, tuple[str, str]] = {
     "num_speculative_tokens": ("speculator", "num_speculative_tokens"),
     "speculator_max_batch_size": ("speculator", "max_batch_size"),
     "speculator_adaptive": ("speculator", "adaptive"),
+    "speculator_model": ("speculator", "model"),
     "speculator_options": ("speculator", "options"),
     "attention": ("kernels", "attention"),
     "attention_options": ("kernels", "options"),

@@ -192,8 +192,10 @@ class LLMEngine:
             return None
         cls = self._technique("speculator")
         model_dir = self.source.root / self.manifest.speculator.model if self.manifest.speculator.model else None
+        driver = self.executor.driver
         context = SpeculatorContext(self.manifest.speculator.num_speculative_tokens, self.vocab_size, self.device,
-                                    self.dtype, model_dir, self.hf_config, self.block_size)
+                                    self.dtype, model_dir, self.hf_config, self.block_size,
+                                    target_model=driver.model if driver is not None else None)
         return cls(spec.options, context)
 
     def _bind_draft_kv(self) -> None:

@@ -69,6 +69,9 @@ class SpeculatorContext:
     model_dir: Path | None = None  # the package's [speculator] model directory, if any
     target_config: Mapping[str, Any] = field(default_factory=dict)
     block_size: int = 16  # tokens per KV block (for a draft KV cache's slots)
+    # The target model when it lives in this process (None under a strategy that keeps it in other processes):
+    # heads that share its LM head or embeddings (Medusa, EAGLE) use its `lm_head` / `model.embed_tokens`.
+    target_model: torch.nn.Module | None = None
 
     @property
     def num_target_layers(self) -> int:

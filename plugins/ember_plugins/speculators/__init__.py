@@ -8,3 +8,7 @@ def ember_speculators(register) -> None:
     register("ngram", "ember_plugins.speculators.ngram:NgramSpeculator",
              summary="prompt lookup: drafts the tokens that followed the last n tokens' latest earlier occurrence",
              options=("min_ngram", "max_ngram", "adaptive"))
+    register("medusa", "ember_plugins.speculators.medusa:MedusaSpeculator",
+             summary="Medusa heads on the target's last hidden state draft k tokens at once through its LM head "
+                     "(chain verification); the heads come from [speculator] model",
+             options=("model",))

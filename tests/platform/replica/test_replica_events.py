@@ -21,8 +21,8 @@ class FakeReplica:
         self.error = error
 
     async def generate_many(self, prompts: list[list[int]], params: list[Any], request_id: str, *,
-                            cache_salt: str | None = None,
-                            lora_name: str | None = None) -> AsyncIterator[tuple[int, Output]]:
+                            cache_salt: str | None = None, lora_name: str | None = None,
+                            leaders: list[int | None] | None = None) -> AsyncIterator[tuple[int, Output]]:
         for item in self.outputs:
             yield item
         if self.error is not None:

@@ -1,0 +1,170 @@
+"""Every speculator against no speculation, side by side: decode tokens/s and mean accepted length on held-out code.
+
+    python bench/bench_speculators.py [--methods ngram,medusa] [--batches 1,8,32] [--quick] [--repeats 3]
+
+Prompts are the starts of the standard-library files the example model never trained on (its held-out split,
+listed in examples/tiny-llama/training.json), so learned drafters (Medusa) are not measured on text they saw.
+For each batch size, each method and "none" run the same prompts with greedy decoding of --max-tokens tokens, EOS
+ignored, interleaved repeats. Batch 1: each prompt alone; decode tokens/s is the tokens after each request's first
+over the time from its first token to its last, summed. Batch B: B requests kept in flight (a new one submitted as
+one finishes) over 3B requests; tokens/s from the first token to the last.
+Ratios are median rate with the method over median rate without. The methods run with their draft length chosen
+adaptively (the engine default: drafts only where measured acceptance and step cost say they pay), so at large
+batch a method should fall back to ~1.0x rather than below it; greedy outputs are compared with "none".
+
+Methods and where their weights come from: `ngram` (none needed), `medusa` (examples/tiny-llama/speculator/medusa,
+made by examples/train_medusa.py). A method whose weights are missing is reported as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+from common import emit, environment, greedy, interleaved, median, parse_args, print_table, run_engine
+
+HEAD_DIRS = {"medusa": "speculator/medusa"}
+TARGETS_BATCH_1 = {"medusa": 1.5, "ngram": 1.5}
+TARGET_LARGE_BATCH = 0.95
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--methods", default="ngram,medusa", help="speculators to compare (default: %(default)s)")
+    parser.add_argument("--batches", default="1,8,32", help="batch sizes (default: %(default)s)")
+    parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens (default 3)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 256, --quick 128)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 128, --quick 48)")
+
+
+def held_out_prompts(tokenizer: Any, model: Path, prompt_len: int) -> list[list[int]]:
+    training = json.loads((model / "training.json").read_text())
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    prompts = []
+    for rel in training["data"]["held_out"]:
+        path = stdlib / rel
+        if path.is_file():
+            ids = tokenizer.encode(path.read_text(encoding="utf-8"))[:prompt_len]
+            if len(ids) == prompt_len:
+                prompts.append(ids)
+    if not prompts:
+        raise SystemExit(f"no held-out file of {prompt_len}+ tokens found under {stdlib}")
+    return prompts
+
+
+def main() -> None:
+    args = parse_args(__doc__.split("\n\n")[0], extra=add_flags)
+    from ember_platform import LLM
+
+    prompt_len = args.prompt_len or (128 if args.quick else 256)
+    max_tokens = args.max_tokens or (48 if args.quick else 128)
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.quick:
+        batches = [b for b in batches if b <= 8] or batches[:1]
+    engines: dict[str, Any] = {"none": LLM(args.model, max_num_seqs=max(batches)).engine}
+    skipped: dict[str, str] = {}
+    for method in args.methods.split(","):
+        overrides: dict[str, Any] = {"speculator": method, "num_speculative_tokens": args.k,
+                                     "speculator_max_batch_size": max(batches), "max_num_seqs": max(batches)}
+        if method in HEAD_DIRS:
+            if not (args.model / HEAD_DIRS[method]).is_dir():
+                skipped[method] = f"no {HEAD_DIRS[method]} in {args.model}"
+                continue
+            overrides["speculator_model"] = HEAD_DIRS[method]
+        engines[method] = LLM(args.model, **overrides).engine
+    prompts = held_out_prompts(engines["none"].tokenizer, args.model, prompt_len)
+    params = greedy(max_tokens)
+    for engine in engines.values():
+        run_engine(engine, prompts[:2], greedy(8))  # warm-up
+
+    def measure(engine: Any, size: int) -> dict[str, Any]:
+        """Batch 1: each prompt alone. Larger: `size` requests in flight, a new one added as one finishes, over 3x
+        as many requests as the batch holds (a closed batch would be timed by its slowest request, the one drafts
+        help least)."""
+        drafts, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
+        queue = [prompts[i % len(prompts)] for i in range(len(prompts) if size == 1 else 3 * size)]
+        if size == 1:
+            timings = [run_engine(engine, [prompt], params)[0] for prompt in queue]
+            tokens = sum(t.num_tokens - 1 for t in timings)
+            seconds = sum(t.total - t.ttft for t in timings)
+            ids = [t.token_ids for t in timings]
+            steps = sum(t.num_steps for t in timings)
+        else:
+            tokens, seconds, ids, steps = stream(engine, queue, size)
+        return {"rate": tokens / seconds, "tokens_per_step": tokens / steps,
+                "drafts": engine.num_draft_tokens - drafts, "accepted": engine.num_accepted_tokens - accepted,
+                "token_ids": ids}
+
+    def stream(engine: Any, queue: list[list[int]], size: int) -> tuple[int, float, list[list[int]], int]:
+        """(tokens after each request's first, seconds from the first token to the last, each request's tokens,
+        steps that gave some request tokens, summed over requests)."""
+        outputs: dict[str, list[int]] = {}
+        pending = list(enumerate(queue))
+        first = None
+        steps = 0
+
+        def add() -> None:
+            index, prompt = pending.pop(0)
+            engine.add_request(f"spec-bench-{id(queue)}-{index}", prompt, params)
+            outputs[f"spec-bench-{id(queue)}-{index}"] = []
+
+        for _ in range(min(size, len(pending))):
+            add()
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.new_token_ids:
+                    first = first or time.perf_counter()
+                    outputs[out.request_id] += out.new_token_ids
+                    steps += 1
+                if out.finished:
+                    engine.forget(out.request_id)
+                    if pending:
+                        add()
+        seconds = time.perf_counter() - (first or time.perf_counter())
+        ids = list(outputs.values())
+        return sum(len(t) - 1 for t in ids), seconds, ids, steps
+
+    rows, record = [], {}
+    for size in batches:
+        runs = interleaved({name: (lambda e=engine, b=size: measure(e, b)) for name, engine in engines.items()},
+                           args.repeats)
+        base = median(r["rate"] for r in runs["none"])
+        for name, results in runs.items():
+            rate = median(r["rate"] for r in results)
+            drafts = sum(r["drafts"] for r in results)
+            accepted = sum(r["accepted"] for r in results)
+            same = results[0]["token_ids"] == runs["none"][0]["token_ids"]
+            entry = {"tok_s": round(rate, 1), "ratio": round(rate / base, 3),
+                     "tokens_per_step": round(median(r["tokens_per_step"] for r in results), 3),
+                     "acceptance": round(accepted / drafts, 4) if drafts else None, "identical": same}
+            record[f"{name}@{size}"] = entry
+            rows.append([size, name, f"{rate:.1f}", f"{entry['ratio']:.2f}x", f"{entry['tokens_per_step']:.2f}",
+                         "-" if entry["acceptance"] is None else f"{100 * entry['acceptance']:.0f}%", str(same)])
+
+    print(f"model {args.model}, {args.threads} threads; {len(prompts)} held-out prompts of {prompt_len} tokens, "
+          f"{max_tokens} greedy tokens each; k = {args.k} (adaptive); {args.repeats} interleaved repeats\n")
+    print_table(["batch", "method", "decode tok/s", "vs none", "tokens/step", "acceptance", "greedy identical"],
+                rows)
+    for method, why in skipped.items():
+        print(f"{method}: skipped ({why})")
+    verdicts = []
+    for method in engines:
+        if method == "none":
+            continue
+        if f"{method}@1" in record and method in TARGETS_BATCH_1:
+            ok = record[f"{method}@1"]["ratio"] >= TARGETS_BATCH_1[method]
+            verdicts.append(f"{method} batch 1 >= {TARGETS_BATCH_1[method]}x: {'met' if ok else 'MISSED'}")
+        large = [s for s in batches if s >= 32]
+        for size in large:
+            ok = record[f"{method}@{size}"]["ratio"] >= TARGET_LARGE_BATCH
+            verdicts.append(f"{method} batch {size} >= {TARGET_LARGE_BATCH}x: {'met' if ok else 'MISSED'}")
+    print("\n" + "\n".join(verdicts))
+    emit("speculators", {"results": record, "skipped": skipped, "k": args.k, "prompt_len": prompt_len,
+                         "max_tokens": max_tokens, **environment(args)})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""`medusa`: trained heads on the example model draft through its LM head; greedy output is exactly the target's
+(alone, in a batch, under preemption), the drafts are really accepted, and bad head directories are refused with the
+setting named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ember_platform import LLM, SamplingParams
+from ember_platform.engine.engine import LLMEngine
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama"
+HEADS = "speculator/medusa"
+PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef main():\n    path = os.path.",
+           "class Stack:\n    def __init__(self):", "for i in range(10):\n    print(i)\nfor j in range(10):\n"]
+
+
+def medusa(**overrides: object) -> LLM:
+    return LLM(str(EXAMPLE), speculator="medusa", speculator_model=HEADS, num_speculative_tokens=3,
+               **{"speculator_adaptive": False, **overrides})
+
+
+@pytest.fixture(scope="module")
+def plain_outputs() -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    return [out.token_ids for out in LLM(str(EXAMPLE)).generate(PROMPTS, params)]
+
+
+def test_greedy_output_is_the_targets_and_drafts_are_accepted(plain_outputs: list[list[int]]) -> None:
+    llm = medusa()
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert [llm.generate([p], params)[0].token_ids for p in PROMPTS] == plain_outputs  # batch 1
+    assert [out.token_ids for out in llm.generate(PROMPTS, params)] == plain_outputs  # one batch
+    stats = llm.engine.stats()
+    # The heads were trained (examples/train_medusa.py): drafts are accepted (the first head agrees with the
+    # target about a third of the time on this text).
+    assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] / stats["spec_draft_tokens"] > 0.1
+    assert stats["spec_mean_accepted_length"] > 1.3
+
+
+def test_greedy_output_survives_preemption(plain_outputs: list[list[int]]) -> None:
+    # 9 blocks of 16 tokens cannot hold 4 requests of up to ~60 tokens each: the newest are preempted and recomputed.
+    engine = LLMEngine(EXAMPLE, speculator="medusa", speculator_model=HEADS, num_speculative_tokens=3,
+                       speculator_adaptive=False, num_kv_blocks=9)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, params)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+    preempted = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        preempted = max(preempted, max((r.num_preemptions for r in engine.scheduler.running), default=0))
+    assert preempted > 0
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == plain_outputs
+
+
+def test_sampled_requests_mix_with_greedy_ones_in_a_batch(plain_outputs: list[list[int]]) -> None:
+    llm = medusa()
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=40, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, [greedy, sampled, greedy, sampled])
+    assert outputs[0].token_ids == plain_outputs[0] and outputs[2].token_ids == plain_outputs[2]
+    assert all(len(out.token_ids) == 40 for out in outputs)
+
+
+def copy_heads(tmp_path: Path) -> Path:
+    package = tmp_path / "pkg"
+    shutil.copytree(EXAMPLE, package, ignore=shutil.ignore_patterns("__pycache__"))
+    return package
+
+
+def test_heads_for_another_model_or_too_few_are_refused(tmp_path: Path) -> None:
+    package = copy_heads(tmp_path)
+    config_path = package / HEADS / "config.json"
+    config = json.loads(config_path.read_text())
+    with pytest.raises(ValueError, match="num_speculative_tokens: 5 drafts need as many Medusa heads"):
+        LLM(str(package), speculator="medusa", speculator_model=HEADS, num_speculative_tokens=5)
+    config_path.write_text(json.dumps({**config, "hidden_size": 512}))
+    with pytest.raises(ValueError, match="trained for hidden_size 512, the model has 256"):
+        LLM(str(package), speculator="medusa", speculator_model=HEADS, num_speculative_tokens=2)
+    with pytest.raises(ValueError, match=r"speculator\.model: medusa needs the directory of its heads"):
+        LLM(str(package), speculator="medusa", num_speculative_tokens=2)
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(Exception, match=r"speculator\.options\.tree"):
+        LLM(str(package), speculator="medusa", speculator_model=HEADS, num_speculative_tokens=2,
+            speculator_options={"tree": [4, 2]})
