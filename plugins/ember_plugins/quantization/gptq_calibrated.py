@@ -228,8 +228,29 @@ class GPTQ:
 
     def calibrate(self, calibration: CalibrationContext) -> None:
         s = self.settings
-        targets = {name: layer for name, layer in linear_modules(calibration.model)
-                   if layer.method is self.method and not layer.finalized}
+        # A technique before gptq may wrap its method (an online rotation: `inner` is the method it wraps); the
+        # Hessian is then of what the wrapped method multiplies, which the wrapper says (`calibration_input`).
+        wrappers: dict[int, list[LinearMethod]] = {}
+        targets = {}
+        for name, layer in linear_modules(calibration.model):
+            chain, method = [], layer.method
+            while method is not self.method and method is not None:
+                chain.append(method)
+                method = getattr(method, "inner", None)
+            if method is None or layer.finalized:
+                continue
+            for wrapper in chain:
+                if not callable(getattr(wrapper, "calibration_input", None)):
+                    raise QuantizationError(f"gptq: {name}: {type(wrapper).__name__} wraps gptq's layers without "
+                                            "saying what input their weights see (calibration_input(layer, x)), "
+                                            "which GPTQ's Hessian needs")
+            targets[name], wrappers[id(layer)] = layer, chain
+
+        def layer_input(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+            for wrapper in wrappers[id(layer)]:
+                x = wrapper.calibration_input(layer, x)  # type: ignore[attr-defined]
+            return x
+
         ids = calibration.tokenizer.encode(calibration.text, add_special_tokens=False)[: s.num_samples * s.seq_len]
         sequences = [ids[i:i + s.seq_len] for i in range(0, len(ids), s.seq_len)]
         sequences = [seq for seq in sequences if len(seq) > 1]
@@ -250,4 +271,4 @@ class GPTQ:
             layer._gptq_result = result
 
         with torch.no_grad():
-            calibrate_sequentially(calibration, targets, sequences, quantize)
+            calibrate_sequentially(calibration, targets, sequences, quantize, layer_input)

@@ -28,7 +28,12 @@ from ember_plugins.quantization.gptq_quantize import HessianAccumulator
 
 log = logging.getLogger("ember.gptq")
 
-QuantizeLayer = Callable[[str, Linear, torch.Tensor], None]  # (name, layer, hessian): quantize and finalize it
+QuantizeLayer = Callable[[str, Linear, torch.Tensor], None]  # (name, layer, hessian): quantize it
+LayerInput = Callable[[Linear, torch.Tensor], torch.Tensor]  # a layer's input -> what its stored weight multiplies
+
+
+def _as_given(_layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 class _Stop(Exception):
@@ -46,7 +51,7 @@ def block_of(modules: dict[str, nn.Module], name: str) -> str | None:
 
 
 def calibrate_sequentially(calibration: CalibrationContext, targets: dict[str, Linear], sequences: list[list[int]],
-                           quantize: QuantizeLayer) -> None:
+                           quantize: QuantizeLayer, layer_input: LayerInput = _as_given) -> None:
     """Quantize every layer of `targets` (name -> layer, not finalized, in module order) through `quantize`,
     block after block, each block's linears in the order its forward pass reaches them."""
     modules = dict(calibration.model.named_modules())
@@ -60,12 +65,12 @@ def calibrate_sequentially(calibration: CalibrationContext, targets: dict[str, L
         replay = functools.partial(_replay, block, _block_inputs(calibration, block, sequences))
         remaining = {name: targets[name] for name in names}
         while remaining:
-            name, hessian = _next_hessian(remaining, replay)
+            name, hessian = _next_hessian(remaining, replay, layer_input)
             quantize(name, remaining.pop(name), hessian)
         del replay  # the block's inputs
     outside = {name: targets[name] for name in by_block.get(None, [])}
     while outside:  # e.g. lm_head: full passes, logits included, through the quantized model
-        name, hessian = _next_hessian(outside, functools.partial(_full_passes, calibration, sequences))
+        name, hessian = _next_hessian(outside, functools.partial(_full_passes, calibration, sequences), layer_input)
         quantize(name, outside.pop(name), hessian)
 
 
@@ -113,7 +118,8 @@ def _full_passes(calibration: CalibrationContext, sequences: list[list[int]]) ->
                 continue
 
 
-def _next_hessian(remaining: dict[str, Linear], run: Callable[[], None]) -> tuple[str, torch.Tensor]:
+def _next_hessian(remaining: dict[str, Linear], run: Callable[[], None],
+                  layer_input: LayerInput) -> tuple[str, torch.Tensor]:
     """Run `run` once with hooks on the remaining layers; the first one the forward pass reaches is the next to
     quantize, and its Hessian is accumulated over the whole run."""
     first: list[str] = []
@@ -125,7 +131,7 @@ def _next_hessian(remaining: dict[str, Linear], run: Callable[[], None]) -> tupl
                 first.append(_name)
                 accumulator.append(HessianAccumulator(_layer.in_features, args[0].device))
             if first[0] == _name:
-                accumulator[0].add(args[0])
+                accumulator[0].add(layer_input(_layer, args[0]))
                 raise _Stop  # nothing after this layer is needed for its Hessian: end the pass here
         handles.append(layer.register_forward_pre_hook(hook))
     try:
