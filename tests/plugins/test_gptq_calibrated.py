@@ -15,10 +15,14 @@ import torch
 
 from ember.errors import PluginError
 from ember_platform import LLM, SamplingParams
+from ember_platform.api import UNQUANTIZED, CalibrationContext, Linear, LinearMethod, LinearSpec, QuantizationContext
 from ember_platform.engine.calibration import run_prefill
-from ember_platform.engine.linear_method import linear_modules
+from ember_platform.engine.linear_method import linear_modules, set_linear_methods
+from ember_platform.engine.models import build_model
+from ember_platform.engine.models.loader import load_weights
 from ember_platform.engine.quantization import QuantizationError
-from ember_plugins.quantization.gptq import GPTQLinearMethod
+from ember_platform.engine.text.tokenizer import Tokenizer
+from ember_plugins.quantization.gptq import GPTQLinearMethod, GPTQQuantizer
 from ember_plugins.quantization.gptq_calibrated import GPTQStoredMethod
 from ember_plugins.quantization.gptq_quantize import rtn_quantize
 from ember_plugins.quantization.int4 import Int4Method
@@ -116,3 +120,61 @@ def test_an_unknown_option_is_refused_by_name() -> None:
 def test_gptq_stores_the_weights_so_it_comes_last() -> None:
     with pytest.raises(QuantizationError, match=r"must be the last method"):
         LLM(EXAMPLE, quantization=["gptq", "int8"])
+
+
+class Scaled(LinearMethod):
+    """A method wrapping gptq's as an online rotation does (`inner`): its inputs reach the stored weight scaled
+    per feature, which `calibration_input` says (or, without it, does not)."""
+
+    def __init__(self, inner: LinearMethod, says: bool) -> None:
+        self.inner, self.calls = inner, 0
+        self.full_precision_until_loaded = True
+        if says:
+            self.calibration_input = self._calibration_input
+
+    def _calibration_input(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x * torch.linspace(0.1, 3.0, x.shape[-1])
+
+    def create_weights(self, layer: Linear) -> None:
+        self.inner.create_weights(layer)
+
+    def after_loading(self, layer: Linear) -> None:
+        self.inner.after_loading(layer)
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.inner.apply(layer, x * torch.linspace(0.1, 3.0, x.shape[-1]), bias)
+
+
+def calibrated_down_proj(wrap: bool | None) -> tuple[torch.Tensor, Scaled | None]:
+    """layer 0's down_proj levels after gptq calibrates the example, its method wrapped (says or not) or not."""
+    from ember_plugins.attention.torch_paged import TorchPagedAttention
+
+    hf_config = json.loads((EXAMPLE / "weights" / "config.json").read_text())
+    model = build_model(hf_config, TorchPagedAttention, torch.float32)
+    quantizer = GPTQQuantizer({**SMALL, "num_samples": 2, "kernel": "dequant"})
+    quantizer.prepare(QuantizationContext(model.structure(), hf_config, None, ("scaled", "gptq"), 1))
+    wrapped: list[Scaled] = []
+
+    def factory(spec: LinearSpec) -> LinearMethod:
+        method = quantizer.linear_method(spec, UNQUANTIZED)
+        if wrap is not None and spec.prefix == "model.layers.0.mlp.down_proj":
+            wrapped.append(Scaled(method, says=wrap))
+            return wrapped[0]
+        return method
+
+    set_linear_methods(model, factory, torch.float32)
+    load_weights(model, EXAMPLE / "weights", finalize=False)
+    text = inspect.getsource(json.decoder)
+    quantizer.calibrate(CalibrationContext(model, Tokenizer.from_dir(EXAMPLE / "weights"), text, EXAMPLE))
+    layer = model.model.layers[0].mlp.down_proj
+    return layer._gptq_result.q, (wrapped[0] if wrapped else None)
+
+
+def test_a_wrapping_method_gives_gptq_the_inputs_its_weights_see() -> None:
+    plain, _ = calibrated_down_proj(None)
+    scaled, wrapper = calibrated_down_proj(True)
+    assert wrapper is not None and wrapper.calls > 0  # the Hessian came from the wrapper's inputs ...
+    assert not torch.equal(plain, scaled)  # ... which changes what GPTQ chooses
+    with pytest.raises(QuantizationError, match=r"down_proj: Scaled wraps gptq's layers without saying"):
+        calibrated_down_proj(False)
