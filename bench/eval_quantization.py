@@ -145,6 +145,8 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=24, help=f"held-out windows of {SEQ_LEN} tokens (0: all)")
     parser.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True,
                         help=f"decode tokens/s on the larger model ({LARGE}, made by bench/make_large_model.py)")
+    parser.add_argument("--quality", action=argparse.BooleanOptionalAction, default=True,
+                        help="perplexity and agreement on the example model (--no-quality: the speed table only)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     from tokenizers import Tokenizer
@@ -172,13 +174,15 @@ def main() -> None:
 
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
+        if not args.quality:
+            windows = windows[:1]  # the dense reference row only, then straight to speed
         package = package_copy(Path(tmp), calibration)
         dense = LLM(package)
         dense_loss = held_out_loss(dense.engine.model, windows)
         reference = [o.token_ids for o in dense.generate(prompts, params)]
         del dense
         rows.append({"method": "dense (float32)", "ppl": math.exp(dense_loss), "agreement": 1.0, "status": "ok"})
-        for label, method, options in METHODS:
+        for label, method, options in METHODS if args.quality else []:
             missing = [n for n in names(method) if n not in installed]
             if missing:
                 rows.append({"method": label, "status": f"not installed ({', '.join(missing)})"})
@@ -195,7 +199,7 @@ def main() -> None:
             rows.append({"method": label, "ppl": math.exp(loss), "agreement": agreement(reference, got),
                          "load_s": round(load_s, 2), "status": "ok"})
             del llm
-        if "int4" not in installed:
+        if "int4" not in installed and args.quality:
             for group in (64, 128):
                 loss, got = rtn_reference(package, group, windows, prompts, params)
                 rows.append({"method": f"rtn int4 g{group} (reference)", "ppl": math.exp(loss),
@@ -236,6 +240,13 @@ def main() -> None:
         tps = row["tokens_per_s"]
         tps_text = "/".join(str(v) for v in tps.values()) if isinstance(tps, dict) else str(tps or "-")
         print(f"{row['method']:30} {ppl} {vs} {agree} {row.get('gate', '-'):>5}  {tps_text:>20}  {row['status']}")
+    dense_speed = speed.get("dense")
+    if isinstance(dense_speed, dict):
+        print(f"decode tokens/s on {LARGE.name} at batch {', '.join(map(str, SPEED_BATCHES))} (x dense):")
+        for label, tps in speed.items():
+            ratios = (" ".join(f"{tps[b]:8.1f} ({tps[b] / dense_speed[b]:.2f}x)" for b in SPEED_BATCHES)
+                      if isinstance(tps, dict) else str(tps))
+            print(f"  {label:30} {ratios}")
     record = {"bench": "eval_quantization", "threshold_pct": args.threshold, "windows": len(windows),
               "dense_ppl": round(dense_ppl, 4), "rows": rows, "speed": speed}
     out = ROOT / "bench" / "results"
