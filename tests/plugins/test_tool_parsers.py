@@ -347,3 +347,34 @@ def test_explain_shows_the_tool_parser(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr
         report = json.loads(done.stdout)["selections"]["tool_parser"]
         assert (report["name"], report["decided_by"]) == ("hermes", decided_by), report
+
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", "\n", " ", '{"name": "f"', '{"name": "g", "arguments": {"x": [1, "}"]}}',
+             ', "arguments": ', '{"a": 1}', "}", "hello", "<tool", "_call>", '"', "{", "[TOOL_CALLS]", "[", "]", ",",
+             "; ", "<|python_tag|>", '"name"', ": ", '"parameters": {}', '[TOOL_CALLS] [{"name": "h", "arguments": {}}',
+             '[{"name": "h", "arguments": {"b": 2}}', '<tool_call>\n{"name": "k", "arguments": {"c": 3}}\n</tool_call>']
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_any_mix_of_markup_and_text_streams_to_what_the_whole_parse_says(family: str) -> None:
+    """Malformed and truncated markup included: a streamed response never says something the whole one does not."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    p = parser(family)
+    made_calls = []
+
+    # no health checks: on a loaded machine "too slow" would fail a test about parsing
+    @hypothesis.settings(max_examples=400, deadline=None, database=None, derandomize=True,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(st.lists(st.sampled_from(FRAGMENTS), max_size=8))
+    def check(parts: list[str]) -> None:
+        text = "".join(parts)
+        content, calls = parse_tool_calls(p, text)
+        made_calls.append(bool(calls))
+        for pieces in (list(text), [text]):
+            deltas, _ = streamed(p, pieces)
+            got = reassemble(deltas)
+            assert got == (content or "", [{"name": c.name, "arguments": c.arguments} for c in calls]), pieces
+
+    check()
+    assert any(made_calls) and not all(made_calls)

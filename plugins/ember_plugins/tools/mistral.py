@@ -49,16 +49,17 @@ class MistralToolParser(ToolParser):
         return MARKER in template
 
     def scan(self, text: str, *, final: bool) -> list[Segment]:
-        marker = text.find(MARKER)
+        segments: list[Segment] = []
+        first = _array_start(text, 0, final=final)  # an answer that is the array: the marker was a skipped token
+        if first is None:
+            return segments
+        marker = -1 if first is not False else text.find(MARKER)
         if marker >= 0:
-            segments: list[Segment] = [TextSegment(text[:marker])] if marker else []
+            segments = [TextSegment(text[:marker])] if marker else []
             first = _array_start(text, marker + len(MARKER), final=final)
-        else:
-            segments = []
-            first = _array_start(text, 0, final=final)
-            if first is False:  # plain text, maybe with a marker still arriving at its end
-                held = 0 if final else partial_marker(text, MARKER)
-                return [TextSegment(text[:len(text) - held])] if text[:len(text) - held] else []
+        elif first is False:  # plain text, maybe with a marker still arriving at its end
+            held = 0 if final else partial_marker(text, MARKER)
+            return [TextSegment(text[:len(text) - held])] if text[:len(text) - held] else []
         if first is None:
             return segments
         if first is False:

@@ -227,3 +227,32 @@ def test_bad_tool_requests_are_400s_naming_the_field(served: Served, kwargs: dic
         ok = httpx.post(f"{served.url}/v1/chat/completions", headers={"Authorization": f"Bearer {served.api_key}"},
                         json={"model": PLAIN, "messages": QUESTION, "max_tokens": 2}, timeout=60)
         assert ok.status_code == 200, ok.text
+
+
+def test_a_schema_the_grammar_engine_cannot_enforce_is_a_400_naming_that_tool_when_constrained(
+        served: Served) -> None:
+    tags = {"type": "function", "function": {"name": "tag", "parameters": {
+        "type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(served.client(), tools=[*TOOLS, tags], tool_choice="required", max_tokens=8)
+    error = caught.value.body
+    assert error["param"] == "tools[2].function.parameters" and "uniqueItems" in error["message"], error
+    # in auto mode nothing has to enforce it: the request is served
+    reply = create(served.client(), tools=[*TOOLS, tags], max_tokens=4, temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_n_choices_each_get_their_own_calls_streamed_and_not(served: Served) -> None:
+    client = served.client()
+    whole = create(client, tool_choice="required", parallel_tool_calls=False, n=2, temperature=1, seed=21)
+    assert [c.index for c in whole.choices] == [0, 1]
+    for choice in whole.choices:
+        assert choice.finish_reason == "tool_calls"
+        check_calls([(c.function.name, c.function.arguments) for c in choice.message.tool_calls], set(SCHEMAS))
+    chunks = list(create(client, tool_choice="required", parallel_tool_calls=False, n=2, temperature=1, seed=21,
+                         stream=True))
+    for index, choice in enumerate(whole.choices):
+        mine = [c.model_copy(update={"choices": [ch for ch in c.choices if ch.index == index]}) for c in chunks]
+        _, calls, finish = reassemble([c for c in mine if c.choices])
+        assert finish == "tool_calls"
+        assert calls == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
