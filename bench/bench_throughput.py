@@ -2,11 +2,14 @@
 transformers `generate` in padded batches of 8, on the same checkpoint and machine (and dtype, unless --hf-dtype).
 
     python bench/bench_throughput.py [--model examples/tiny-llama] [--quick] [--repeats 3] [--profile]
+        [--quantization int8,fp8 | all] [--no-hf]
 
 The workload (fixed seed): prompt lengths uniform in --prompt-len, output lengths uniform in --output-len,
 every other request starting with the same --system-len token "system prompt"; all prompts are windows of
 standard-library code. Both sides make exactly each request's output length (EOS ignored), so the
 output tokens/s of each is (sum of output lengths) / wall time, and the ratio is Ember's over the baseline's.
+`--quantization` adds an Ember side per quantization method (`QUANTIZERS`), each timed in the same interleaved
+rounds and reported against Ember without quantization (same dtype); `--no-hf` leaves transformers out.
 """
 
 from __future__ import annotations
@@ -34,6 +37,14 @@ from common import (
 
 TARGETS = {"tiny-llama": 5.0, "llama-150m": 3.0}  # what the lead asked for, by model dir name
 SEED = 1234
+# Quantization methods --quantization can name ("all": every one installed), with the options each runs with.
+# A new method is one line here.
+QUANTIZERS: dict[str, dict[str, Any]] = {
+    "int8": {},
+    "fp8": {},
+    "int4": {"group_size": 128},
+}
+QUANTIZED_TARGET = 1.0  # issue 17: every quantizer at least as fast as bf16 on the mixed workload
 
 
 @dataclass(slots=True)
@@ -58,6 +69,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                         help="the baseline's dtype: 'same' as Ember's resolved dtype (default; like for like), or "
                              "'checkpoint' (what from_pretrained gives a user: the checkpoint's own dtype)")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="Ember override (default: the manifest's)")
+    parser.add_argument("--quantization", default="", help="comma-separated quantization methods to add as Ember "
+                        f"sides ({', '.join(QUANTIZERS)}; 'all': those installed)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -158,27 +172,51 @@ def main() -> None:
     work = make_workload(engine.tokenizer, num_requests, prompt_len, output_len, system_len)
     weights_dir = str(resolve_source(args.model, {})[0].weights_dir)
     hf_dtype = {"same": dtype, "checkpoint": "auto"}.get(args.hf_dtype, args.hf_dtype)
-    hf = HFBaseline(weights_dir, hf_dtype, args.batch_size)
+    hf = None if args.no_hf else HFBaseline(weights_dir, hf_dtype, args.batch_size)
+    methods = quantization_methods(args.quantization, probe)
+    quantized = {m: {**overrides, "quantization": m, "quantization_options": QUANTIZERS[m]} for m in methods}
     settings = {"max_num_seqs": engine.scheduler.max_num_seqs,
                 "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
                 "kv_block_size": engine.block_size, "num_kv_blocks": engine.kv.num_blocks}
     del probe, engine
 
     warm = Workload(work.prompts[:args.batch_size], [8] * min(args.batch_size, num_requests), 0)
+    sides: dict[str, Any] = {"ember": lambda: run_ember(str(args.model), overrides, work)}
     run_ember(str(args.model), overrides, warm)
-    hf.generate(warm)
+    for method, method_overrides in quantized.items():  # also quantizes once, so later starts use the cache
+        run_ember(str(args.model), method_overrides, warm)
+        sides[method] = lambda o=method_overrides: run_ember(str(args.model), o, work)
+    if hf is not None:
+        hf.generate(warm)
+        sides["hf"] = lambda: hf.generate(work)
 
-    runs = interleaved({"ember": lambda: run_ember(str(args.model), overrides, work),
-                        "hf": lambda: hf.generate(work)}, args.repeats)
-    ember_s = [r[0] for r in runs["ember"]]
-    hf_s = [r[0] for r in runs["hf"]]
+    runs = interleaved(sides, args.repeats)
     tokens = work.num_output_tokens
+    ember_s = [r[0] for r in runs["ember"]]
     ember_tps = [tokens / s for s in ember_s]
+    ember_ids = runs["ember"][0][1]
+    quant_rows, quant_record = [], {}
+    for method in quantized:
+        seconds = [r[0] for r in runs[method]]
+        tps = [tokens / s for s in seconds]
+        ratio_q = median(tps) / median(ember_tps)
+        agree_q = sum(a[:8] == b[:8] for a, b in zip(runs[method][0][1], ember_ids, strict=True)) / len(ember_ids)
+        quant_rows.append([f"ember {method}", spread(tps), f"{median(seconds):.2f}",
+                           f"{ratio_q:.2f}x ({'met' if ratio_q >= QUANTIZED_TARGET else 'MISSED'})",
+                           f"{100 * agree_q:.0f}%"])
+        quant_record[method] = {"ratio_vs_unquantized": round(ratio_q, 3), "tok_s": round(median(tps), 1),
+                                "seconds": [round(x, 3) for x in seconds], "options": QUANTIZERS[method],
+                                "pair_ratios": [round(e / q, 3) for e, q in zip(ember_s, seconds, strict=True)],
+                                "greedy_agreement_8": round(agree_q, 3)}
+    if hf is None:
+        report_quantized(args, dtype, work, tokens, ember_tps, ember_s, quant_rows, quant_record, settings)
+        return
+    hf_s = [r[0] for r in runs["hf"]]
     hf_tps = [tokens / s for s in hf_s]
     # Ratio of medians (the two sides' medians over the same repeats), and each pair's ratio for the spread.
     ratio = median(ember_tps) / median(hf_tps)
     pair_ratios = [h / e for e, h in zip(ember_s, hf_s, strict=True)]
-    ember_ids, hf_ids = runs["ember"][0][1], runs["hf"][0][1]
+    hf_ids = runs["hf"][0][1]
     agree = sum(a[:8] == b[:8] for a, b in zip(ember_ids, hf_ids, strict=True)) / len(ember_ids)
     cached = runs["ember"][0][2]
     hf_computed = runs["hf"][0][2]
@@ -201,6 +239,8 @@ def main() -> None:
     print(f"\nratio ember/hf: {ratio:.2f}x (per-pair {', '.join(f'{r:.2f}' for r in pair_ratios)})"
           + (f"; target >= {target}x: {'met' if ratio >= target else 'MISSED'}" if target else ""))
     print(f"greedy agreement (first 8 tokens identical): {100 * agree:.0f}% of requests")
+    if quant_rows:
+        print_quantized(dtype, ember_tps, ember_s, quant_rows)
 
     record: dict[str, Any] = {
         "ratio": round(ratio, 3), "target": target, "ember_tok_s": round(median(ember_tps), 1),
@@ -211,7 +251,8 @@ def main() -> None:
                      "hf_batch_size": args.batch_size, "seed": SEED},
         "ember_settings": settings, "dtype": str(dtype).removeprefix("torch."),
         "hf_dtype": str(hf.model.dtype).removeprefix("torch."), "cached_tokens": cached,
-        "greedy_agreement": round(agree, 3), **environment(args),
+        "greedy_agreement": round(agree, 3), **({"quantized": quant_record} if quant_record else {}),
+        **environment(args),
     }
     if args.profile:
         sub = Workload(work.prompts[:16], work.output_lens[:16], 0)
@@ -223,6 +264,43 @@ def main() -> None:
     suffix = (("" if name == "tiny-llama" else f"-{name}") + (f"-{args.dtype}" if args.dtype else "")
               + (f"-hf-{args.hf_dtype}" if args.hf_dtype != "same" else ""))
     emit(f"throughput{suffix}", record, args.results)
+
+
+def quantization_methods(names: str, probe: Any) -> list[str]:
+    """The methods `--quantization` names, checked against QUANTIZERS and the installed plugins."""
+    installed = set(probe.engine.plugins.techniques.of_kind("quantization"))
+    if names == "all":
+        return [m for m in QUANTIZERS if m in installed]
+    methods = [m for m in names.split(",") if m]
+    for m in methods:
+        if m not in QUANTIZERS or m not in installed:
+            raise SystemExit(f"--quantization {m}: not one of the installed methods this bench knows "
+                             f"({', '.join(m for m in QUANTIZERS if m in installed)})")
+    return methods
+
+
+def print_quantized(dtype: Any, ember_tps: list[float], ember_s: list[float], rows: list[list[str]]) -> None:
+    print(f"\nquantized vs unquantized Ember ({str(dtype).removeprefix('torch.')}), same rounds:")
+    print_table(["side", "output tok/s: median [min..max]", "seconds (median)",
+                 f"vs unquantized (target >= {QUANTIZED_TARGET}x)", "greedy agreement (8 tokens)"],
+                [["ember", spread(ember_tps), f"{median(ember_s):.2f}", "1.00x", "100%"], *rows])
+
+
+def report_quantized(args: argparse.Namespace, dtype: Any, work: Workload, tokens: int, ember_tps: list[float],
+                     ember_s: list[float], rows: list[list[str]], record: dict[str, Any],
+                     settings: dict[str, Any]) -> None:
+    """--no-hf: only the quantized sides against unquantized Ember."""
+    plens = [len(p) for p in work.prompts]
+    print(f"model {args.model} (ember {str(dtype).removeprefix('torch.')}), {args.threads} threads, "
+          f"{args.repeats} interleaved repeats; {len(work.prompts)} requests, prompts {min(plens)}..{max(plens)}, "
+          f"outputs {min(work.output_lens)}..{max(work.output_lens)} ({tokens} total); ember {settings}")
+    print_quantized(dtype, ember_tps, ember_s, rows)
+    name = args.model.resolve().name
+    emit(f"throughput-quantized{'' if name == 'tiny-llama' else '-' + name}",
+         {"quantized": record, "ember_tok_s": round(median(ember_tps), 1), "ember_s": [round(s, 3) for s in ember_s],
+          "dtype": str(dtype).removeprefix("torch."), "ember_settings": settings,
+          "workload": {"num_requests": len(work.prompts), "prompt_tokens": sum(plens), "output_tokens": tokens,
+                       "seed": SEED}, **environment(args)}, args.results)
 
 
 if __name__ == "__main__":
