@@ -76,6 +76,27 @@ class CalibrationContext:
         return dict(wanted)
 
 
+    def logits(self) -> list[torch.Tensor]:
+        """The model's float32 logits [len, vocab] on each calibration sequence, as it computes now (layers not
+        finalized compute with their full-precision weights): what a technique measures a layer's sensitivity with,
+        by changing that layer's weight and calling this again."""
+        with torch.inference_mode():
+            return [self.model.compute_logits(run_prefill(self.model, ids)).float() for ids in self.token_sequences()]
+
+    def loss(self) -> float:
+        """The model's mean next-token cross-entropy (nats) over the calibration sequences, as it computes now."""
+        total, count = 0.0, 0
+        for ids, logits in zip(self.token_sequences(), self.logits(), strict=True):
+            if len(ids) < 2:
+                continue
+            target = torch.tensor(ids[1:], device=logits.device)
+            total += float(torch.nn.functional.cross_entropy(logits[:-1], target, reduction="sum"))
+            count += len(ids) - 1
+        if not count:
+            raise ValueError(f"{self.source}: the calibration text is too short to measure a loss on")
+        return total / count
+
+
 def run_prefill(model: nn.Module, ids: list[int]) -> torch.Tensor:
     """One forward pass of a sequence through `model` (a fresh KV cache of its own); returns hidden states [T, D]."""
     args, device = model.args, model.device

@@ -11,6 +11,12 @@ method of the techniques after it (`inner`; the unquantized method at the end). 
 stored (a rotation, smoothing) wraps `inner` and must refuse an inner method that does not hold full-precision
 weights. A checkpoint that is already quantized (`config.json`'s `quantization_config`) loads through the
 technique registered under its `quant_method` ("compressed-tensors", "gptq").
+
+A transform that rewrites more than one linear at a time (a rotation folds norms into the linears after them and
+rotates the embeddings) sets `transforms_model`: the engine then loads the whole model in full precision and calls
+`transform_model(model)` before calibration and before any layer is finalized. What a technique decides while
+quantizing and needs again to load its layers back (mixed precision's per-layer plan) is its `state()`, saved
+with the cached quantized weights and handed back through `restore_state` on a later start.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ember_platform.engine.linear_method import UNQUANTIZED, LinearMethod, LinearSpec
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from ember_platform.engine.calibration import CalibrationContext
     from ember_platform.engine.models.structure import ModelStructure
 
@@ -47,10 +55,12 @@ class Quantizer(ABC):
 
     Class attributes a technique may set: `needs_calibration` (the engine then loads full precision, runs the
     model on calibration text and gives `calibrate` the inputs of every linear before any layer is finalized);
-    `checkpoint_format` (a config.json `quant_method` this technique loads, e.g. "compressed-tensors").
+    `checkpoint_format` (a config.json `quant_method` this technique loads, e.g. "compressed-tensors");
+    `transforms_model` (the engine loads full precision and calls `transform_model` first, see the module docs).
     """
 
     needs_calibration: ClassVar[bool] = False
+    transforms_model: ClassVar[bool] = False
     checkpoint_format: ClassVar[str | None] = None
 
     def __init__(self, options: Mapping[str, Any]) -> None:
@@ -79,6 +89,20 @@ class Quantizer(ABC):
 
     def calibrate(self, calibration: CalibrationContext) -> None:  # noqa: B027 - optional
         """With `needs_calibration`: called after the full-precision load, before layers are finalized."""
+
+    def transform_model(self, model: nn.Module) -> None:  # noqa: B027 - optional
+        """With `transforms_model`: called once after the full-precision load, in chain order with the other
+        techniques' `transform_model` and `calibrate` (so calibration after it sees the transformed model), before
+        any layer is finalized: every linear still holds its full-precision `weight`."""
+
+    def state(self) -> Mapping[str, Any] | None:
+        """What this technique decided while quantizing (JSON-serializable), saved with the cached quantized
+        weights (`quantization.json` beside them) and printed by `ember explain`; None (the default): nothing."""
+        return None
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:  # noqa: B027 - optional
+        """On a start that restores cached quantized weights: the `state()` saved with them, before any
+        `restored_method` call."""
 
 
 def method_for(chain: list[Quantizer], spec: LinearSpec) -> LinearMethod:

@@ -8,6 +8,10 @@ torch version, the source of the quantizers' modules and their siblings): anythi
 quantized tensors changes the key, so a stale entry is never used. Entries live under `$EMBER_QUANTIZED_CACHE`
 (default `~/.cache/ember/quantized`), written atomically; a corrupt or unreadable entry is a miss (and is
 rewritten). `EMBER_QUANTIZED_CACHE=off` disables it.
+
+Beside the weights, `quantization.json` holds what the techniques decided while quantizing (`Quantizer.state()`:
+mixed precision's per-layer plan) and which weights and selection the entry is for, so that a restore can give
+the techniques their state back and `ember explain` can print it without torch.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "EMBER_QUANTIZED_CACHE"
+STATE_FILE = "quantization.json"
 
 
 def _sibling_sources(quantizer: type) -> list[str]:
@@ -83,13 +88,44 @@ class QuantizedWeightCache:
         """Remove an entry found unreadable, so that this start's save replaces it."""
         shutil.rmtree(self.path(key), ignore_errors=True)
 
-    def save(self, key: str, model: nn.Module) -> Path | None:
+    def state(self, key: str) -> dict[str, Any]:
+        """The entry's `quantization.json` ({} for an entry written without one); ValueError if unreadable."""
+        path = self.path(key) / STATE_FILE
+        if not path.is_file():
+            return {}
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: {e}") from e
+        if not isinstance(state, dict):
+            raise ValueError(f"{path}: not a JSON object")
+        return state
+
+    def save_state(self, key: str, state: Mapping[str, Any]) -> Path | None:
+        """Write only an entry's `quantization.json` (techniques that cannot restore their layers still keep what
+        they decided where `ember explain` looks); the entry stays a miss for `lookup`."""
+        path = self.path(key)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps(state, indent=1, sort_keys=True, default=str) + "\n")
+            os.replace(tmp, path / STATE_FILE)
+        except OSError as e:
+            log.warning("could not write %s: %s", path / STATE_FILE, e)
+            return None
+        return path / STATE_FILE
+
+    def save(self, key: str, model: nn.Module, state: Mapping[str, Any] | None = None) -> Path | None:
         path = self.path(key)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(suffix=".tmp", dir=self.root))
             try:
                 save_model(model, str(tmp / "model.safetensors"))  # handles tied (shared) parameters
+                if state:
+                    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True, default=str) + "\n",
+                                                  encoding="utf-8")
                 shutil.rmtree(path, ignore_errors=True)
                 os.replace(tmp, path)
             finally:

@@ -132,6 +132,7 @@ def load_quantized(model: nn.Module, build: Callable[[], nn.Module], *, source: 
         restored = _restored_factory(chain) if entry is not None else None
         if entry is not None and restored is not None:
             try:
+                _restore_states(chain, names, cache.state(key))
                 methods = set_linear_methods(model, restored, dtype)
                 load_weights(model, entry)
                 log.info("quantized weights restored from the cache: %s", entry)
@@ -143,22 +144,52 @@ def load_quantized(model: nn.Module, build: Callable[[], nn.Module], *, source: 
                 model = build()
 
     methods = set_linear_methods(model, lambda spec: method_for(chain, spec), dtype)
-    calibrating = [t for t in chain if t.needs_calibration]
-    loaded = load_weights(model, source.weights_dir, finalize=not calibrating)
+    # A technique that calibrates or transforms the whole model needs every layer loaded in full precision first.
+    deferred = any(t.needs_calibration or t.transforms_model for t in chain)
+    loaded = load_weights(model, source.weights_dir, finalize=not deferred)
     quantize_s = loaded.finalize_s
-    if calibrating:
-        from ember_platform.engine.text.tokenizer import Tokenizer
-
+    if deferred:
         t1 = time.perf_counter()
-        text, where = calibration_text(source.root if source.is_package else None)
-        calibration = CalibrationContext(model, Tokenizer.from_dir(source.weights_dir), text, where)
-        for technique in calibrating:
-            technique.calibrate(calibration)
+        calibration: CalibrationContext | None = None
+        for technique in chain:  # in chain order: a calibration after a transform sees the transformed model
+            if technique.transforms_model:
+                technique.transform_model(model)
+            if technique.needs_calibration:
+                if calibration is None:
+                    from ember_platform.engine.text.tokenizer import Tokenizer
+
+                    text, where = calibration_text(source.root if source.is_package else None)
+                    calibration = CalibrationContext(model, Tokenizer.from_dir(source.weights_dir), text, where)
+                technique.calibrate(calibration)
         finish_loading(model)
         quantize_s += time.perf_counter() - t1
-    if cache is not None and key is not None and _restored_factory(chain) is not None:
-        cache.save(key, model)
+    if cache is not None and key is not None:
+        state = _saved_state(chain, names, source, selection)
+        if _restored_factory(chain) is not None:
+            cache.save(key, model, state)
+        elif state["techniques"]:  # not restorable, but what was decided is kept for `ember explain`
+            cache.save_state(key, state)
     return model, QuantizedLoad(names, {"load": time.perf_counter() - t0, "quantize": quantize_s}, False, methods)
+
+
+def _saved_state(chain: list[Quantizer], names: tuple[str, ...], source: ModelSource,
+                 selection: SelectionReport) -> dict[str, Any]:
+    """`quantization.json` of a cache entry: what each technique decided (`state()`), and for whom (the weights'
+    directory and the selection, which `ember explain` matches a package against)."""
+    techniques = {name: dict(state) for name, t in zip(names, chain, strict=True) if (state := t.state()) is not None}
+    return {"weights_dir": str(source.weights_dir.resolve()), "selection": selection.name,
+            "options": dict(selection.options), "techniques": techniques}
+
+
+def _restore_states(chain: list[Quantizer], names: tuple[str, ...], saved: Mapping[str, Any]) -> None:
+    """Give each technique that keeps a state the one saved with the cache entry (ValueError: none was saved)."""
+    states = saved.get("techniques", {})
+    for name, technique in zip(names, chain, strict=True):
+        if type(technique).restore_state is Quantizer.restore_state:
+            continue  # keeps no state
+        if not isinstance(states.get(name), Mapping):
+            raise ValueError(f"the entry has no saved state for quantization '{name}'")
+        technique.restore_state(states[name])
 
 
 def _restored_factory(chain: list[Quantizer]) -> Callable[[LinearSpec], LinearMethod] | None:

@@ -29,3 +29,13 @@ def ember_quantizers(register) -> None:
                      "with GPTQ (Hessian error feedback, act-order, groups) into the int4 or int8 kernels; loads "
                      "GPTQ 4-bit checkpoints (config.json quantization_config) into the int4 kernels",
              options=("bits", "group_size", "sym", "act_order", "damp", "num_samples", "seq_len", "skip", "kernel"))
+    register("rotation", "ember_plugins.quantization.rotation:RotationQuantizer",
+             summary="QuaRot-style random Hadamard rotations folded into the full-precision weights (norms "
+                     "absorbed, an online Hadamard before down_proj), so that the method after it quantizes "
+                     "without outlier channels; comes first: [\"rotation\", \"int8\"]",
+             options=("seed", "online", "kv_rotation"))
+    register("mixed", "ember_plugins.quantization.mixed:MixedQuantizer",
+             summary="outlier-aware mixed precision: int4 (groups 128/64/32), int8 or dense per layer from "
+                     "calibration sensitivity, under an average-bits budget; the plan is stored beside the quantized-weight "
+                     "cache and printed by ember explain",
+             options=("average_bits", "group_size", "symmetric", "skip"))

@@ -1,0 +1,223 @@
+"""`rotation`: random Hadamard rotations folded into the full-precision weights (QuaRot), so that the method
+after it (int4, int8, gptq, mixed) quantizes weights and activations without outlier channels.
+
+The model's function is unchanged (in exact arithmetic; float32 logits within ~1e-5): with Q orthogonal,
+
+* the residual stream is rotated: each RMSNorm's scale g is folded into the linears that read it (W diag(g)),
+  the norm's weight becomes 1 (RMSNorm commutes with Q: ||h Q|| = ||h||), and then
+  - the embeddings and every linear that reads the stream (q/k/v, gate/up, lm_head) get E Q, W Q;
+  - every linear that writes into the stream (o_proj, down_proj) gets Q^T W (and its bias b Q);
+* each head's values are rotated by a head_dim Hadamard, v_proj's rows per head H^T W_v and o_proj's columns per
+  head W_o H (attention mixes tokens, never channels, so this needs nothing online);
+* the MLP's intermediate activations (after SiLU(gate) * up, not a linear map) are rotated online: down_proj's
+  weight gets W R and its input x R, applied in down_proj's forward by `OnlineRotationMethod`.
+
+See `hadamard.py` for the matrices (sizes with an odd factor included). Limits, refused rather than ignored:
+tied embeddings (the LM head would need E diag(g) Q while the embeddings need E Q), a sharded model (the folds
+need whole matrices), a checkpoint already quantized, any position but the first in the chain (every method
+after it must see the rotated full-precision weights, and calibration must run on the rotated model), and the
+rotation of q/k inside attention (`kv_rotation`, not implemented).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ember_platform.api import (
+    AttentionBlock,
+    Linear,
+    LinearMethod,
+    LinearSpec,
+    ModelStructure,
+    QuantizationContext,
+    QuantizationError,
+    Quantizer,
+)
+from ember_plugins.quantization.hadamard import RandomHadamard
+
+STATS = {"folded_norms": 0, "rotated_linears": 0, "online_rotations": 0}  # what the last transform did
+
+
+class OnlineRotationMethod(LinearMethod):
+    """The input of a layer rotated online (x R), its weight rotated the same way (W R) by the rotation's
+    `transform_model`; `inner` (the methods after rotation) stores and applies the rotated weight."""
+
+    def __init__(self, inner: LinearMethod, rotation: RandomHadamard) -> None:
+        self.inner, self.rotation = inner, rotation
+        self.full_precision_until_loaded = inner.full_precision_until_loaded
+
+    def create_weights(self, layer: Linear) -> None:
+        self.inner.create_weights(layer)
+
+    def load_weight(self, layer: Linear, name: str, param: nn.Parameter, loaded: torch.Tensor,
+                    shard_id: Hashable | None) -> None:
+        self.inner.load_weight(layer, name, param, loaded, shard_id)
+
+    def after_loading(self, layer: Linear) -> None:
+        # Before finalizing, the layer's forward is a plain F.linear on its weight, which this method does not see:
+        # the rotation's forward pre-hook rotated the input then (so calibration captured x R). From here on
+        # `apply` does it.
+        handle = layer.__dict__.pop("_rotation_hook", None)
+        if handle is not None:
+            handle.remove()
+        self.inner.after_loading(layer)
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        STATS["online_rotations"] += 1
+        return self.inner.apply(layer, self.rotation.rotate_activations(x), bias)
+
+    def describe(self, layer: Linear) -> str:
+        return f"online Hadamard ({self.rotation.m}x{self.rotation.p}) + {self.inner.describe(layer)}"
+
+
+def _rotate_input_before_finalized(rotation: RandomHadamard) -> Any:
+    def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+        if getattr(module, "finalized", True):
+            return None
+        return (rotation.rotate_activations(args[0]), *args[1:])
+    return hook
+
+
+class RotationQuantizer(Quantizer):
+    """Options: `seed` (int, default 0: the random signs and odd-size factors); `online` (bool, default true:
+    the online rotation of down_proj's input; false keeps down_proj's input basis); `kv_rotation` (false only:
+    rotating q/k per head after RoPE is not implemented)."""
+
+    transforms_model = True
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        super().__init__(options)
+        self.seed = 0
+        self.online = True
+        self.structure: ModelStructure | None = None
+        self.online_layers: frozenset[str] = frozenset()
+        self._online: dict[int, RandomHadamard] = {}
+
+    def _option(self, context: QuantizationContext, key: str) -> str:
+        table = (f"quantization.options.{context.chain[context.position]}" if len(context.chain) > 1
+                 else "quantization.options")
+        return f"{table}.{key}"
+
+    def prepare(self, context: QuantizationContext) -> None:
+        super().prepare(context)  # refuses a pre-quantized checkpoint
+        seed, online, kv = (self.options.get(k, d) for k, d in (("seed", 0), ("online", True),
+                                                                 ("kv_rotation", False)))
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise QuantizationError(f"{self._option(context, 'seed')} = {seed!r}: a non-negative integer")
+        if not isinstance(online, bool):
+            raise QuantizationError(f"{self._option(context, 'online')} = {online!r}: true or false")
+        if kv is not False:
+            raise QuantizationError(f"{self._option(context, 'kv_rotation')} = {kv!r}: not supported yet (rotating "
+                                    "q and k per head after RoPE is not implemented); remove it or set false")
+        if context.position != 0:
+            raise QuantizationError(
+                f"[quantization] method: '{context.chain[context.position]}' comes after "
+                f"{', '.join(repr(n) for n in context.chain[:context.position])}; a rotation rewrites the whole "
+                "model's full-precision weights, so it must come first (e.g. [\"rotation\", \"int8\"])")
+        s = context.structure
+        if s.tied_embeddings:
+            raise QuantizationError("quantization 'rotation': not supported yet for tied embeddings (the LM head "
+                                    "would need E diag(g) Q and the embeddings E Q, one shared tensor)")
+        self.seed, self.online, self.structure = seed, online, s
+        attention_outputs = {a.output for a in s.attention}
+        self.online_layers = frozenset(w for w in s.residual_writers if w not in attention_outputs) if online \
+            else frozenset()
+
+    def _online_rotation(self, n: int) -> RandomHadamard:
+        if n not in self._online:
+            self._online[n] = RandomHadamard(n, self.seed)
+        return self._online[n]
+
+    def linear_method(self, spec: LinearSpec, inner: LinearMethod) -> LinearMethod:
+        if not inner.full_precision_until_loaded:
+            raise QuantizationError(f"quantization 'rotation' rewrites full-precision weights, and {spec.prefix} "
+                                    f"loads stored ones ({type(inner).__name__}): rotation comes before a method "
+                                    "that quantizes on load, and cannot rotate a pre-quantized checkpoint")
+        if spec.prefix in self.online_layers:
+            return OnlineRotationMethod(inner, self._online_rotation(spec.in_features))
+        return inner  # its weight is rotated by transform_model, nothing changes at run time
+
+    def restored_method(self, spec: LinearSpec, inner: LinearMethod) -> LinearMethod:
+        """A cache entry holds the rotated weights (and norms, embeddings): only the online rotation remains."""
+        if spec.prefix in self.online_layers:
+            return OnlineRotationMethod(inner, self._online_rotation(spec.in_features))
+        return inner
+
+    # --- the fold ---------------------------------------------------------------------------------------------
+
+    def transform_model(self, model: nn.Module) -> None:
+        assert self.structure is not None, "prepare() first"
+        s = self.structure
+        q = RandomHadamard(s.hidden_size, self.seed).matrix()  # float64 [D, D]
+        STATS.update(folded_norms=0, rotated_linears=0, online_rotations=0)
+
+        def linear(name: str) -> Linear:
+            module = model.get_submodule(name)
+            weight = getattr(module, "weight", None)
+            if not isinstance(module, Linear) or weight is None or not weight.is_floating_point() \
+                    or weight.is_meta or module.finalized:
+                raise QuantizationError(f"quantization 'rotation': {name} is not a full-precision linear layer "
+                                        "still being loaded (not supported yet: expert stacks, pre-quantized layers)")
+            return module
+
+        def set_weight(layer: Linear, w: torch.Tensor) -> None:
+            layer.weight.data.copy_(w.to(layer.weight.dtype))
+            STATS["rotated_linears"] += 1
+
+        with torch.no_grad():
+            embed = model.get_submodule(s.embeddings).weight
+            self._check(embed.shape[-1], s.hidden_size, s.embeddings)
+            embed.data.copy_((embed.data.double() @ q).to(embed.dtype))
+            rotated: dict[str, torch.Tensor] = {}  # name -> float64 weight being rewritten
+            for feed in s.norm_feeds:
+                norm = model.get_submodule(feed.norm)
+                g = norm.weight.data.double()
+                for name in feed.linears:
+                    layer = linear(name)
+                    self._check(layer.in_features, s.hidden_size, name)
+                    rotated[name] = (layer.weight.data.double() * g) @ q  # W diag(g) Q
+                norm.weight.data.fill_(1.0)
+                STATS["folded_norms"] += 1
+            for name in s.residual_writers:
+                layer = linear(name)
+                self._check(layer.out_features, s.hidden_size, name)
+                rotated[name] = q.T @ rotated.get(name, layer.weight.data.double())
+                if layer.bias is not None:
+                    layer.bias.data.copy_((layer.bias.data.double() @ q).to(layer.bias.dtype))
+            for block in s.attention:
+                self._rotate_values(block, linear(block.qkv), linear(block.output), rotated)
+            for name in self.online_layers:
+                layer = linear(name)
+                rotation = self._online_rotation(layer.in_features)
+                rotated[name] = rotation.rotate(rotated.get(name, layer.weight.data.double()))  # W R
+                layer._rotation_hook = layer.register_forward_pre_hook(_rotate_input_before_finalized(rotation))
+            for name, w in rotated.items():
+                set_weight(model.get_submodule(name), w)
+
+    def _rotate_values(self, block: AttentionBlock, qkv: Linear, output: Linear,
+                       rotated: dict[str, torch.Tensor]) -> None:
+        """v_proj's rows per head H^T W_v (bias b_v H), o_proj's columns per head W_o H."""
+        hd, kv_heads, heads = block.head_dim, block.num_kv_heads, block.num_heads
+        if "v" not in qkv.shard_offsets or qkv.shard_sizes["v"] != kv_heads * hd or output.in_features != heads * hd:
+            raise QuantizationError(f"quantization 'rotation': {block.qkv} does not hold {kv_heads} value heads of "
+                                    f"{hd} (not supported yet: a sharded model)")
+        h = RandomHadamard(hd, self.seed).matrix()
+        w = rotated.get(block.qkv, qkv.weight.data.double())
+        start, size = qkv.shard_offsets["v"], qkv.shard_sizes["v"]
+        w[start:start + size] = (h.T @ w[start:start + size].reshape(kv_heads, hd, -1)).reshape(size, -1)
+        rotated[block.qkv] = w
+        if qkv.bias is not None:
+            bv = qkv.bias.data[start:start + size].double().reshape(kv_heads, hd)
+            qkv.bias.data[start:start + size] = (bv @ h).reshape(size).to(qkv.bias.dtype)
+        wo = rotated.get(block.output, output.weight.data.double())
+        rotated[block.output] = (wo.reshape(wo.shape[0], heads, hd) @ h).reshape(wo.shape[0], -1)
+
+    @staticmethod
+    def _check(size: int, expected: int, name: str) -> None:
+        if size != expected:
+            raise QuantizationError(f"quantization 'rotation': {name} has {size} channels on the residual stream, "
+                                    f"not the model's {expected} (not supported yet: a sharded model)")
