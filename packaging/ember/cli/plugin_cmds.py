@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 from rich.table import Table
 
@@ -76,7 +78,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"package": manifest.reference, "hardware": hardware.describe(),
                           "selections": {k: r.as_dict() for k, r in reports.items()},
-                          "kernel_ops": host.kernel_ops.describe(), "problems": problems}, indent=2))
+                          "kernel_ops": host.kernel_ops.describe(), "problems": problems,
+                          "quantization_state": stored[1] if (stored := _stored_for(args.dir, manifest, reports))
+                          else None}, indent=2))
         return 0
     console.print(f"[bold]{manifest.reference}[/] on {hardware.describe()}")
     table = Table()
@@ -88,6 +92,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
     for kind, problem in problems.items():
         table.add_row(kind, "[red]none[/]", "—", "—", f"[red]{problem}[/]")
     console.print(table)
+    quantization = reports.get("quantization")
+    if quantization is not None and quantization.name != "none":
+        print_quantization_plans(args.dir, manifest.model.weights, quantization)
     ops = Table(title="kernel ops (first that takes the inputs runs)")
     for column in ("op", "tried in order"):
         ops.add_column(column)
@@ -95,3 +102,61 @@ def cmd_explain(args: argparse.Namespace) -> int:
         ops.add_row(op, order)
     console.print(ops)
     return 0
+
+
+def _stored_for(package_dir: Path, manifest: Any, reports: dict) -> tuple[Path, dict] | None:
+    quantization = reports.get("quantization")
+    if quantization is None or quantization.name == "none":
+        return None
+    return stored_quantization_state(package_dir, manifest.model.weights, quantization)
+
+
+def stored_quantization_state(package_dir: Path, weights: str, selection: Any) -> tuple[Path, dict] | None:
+    """The newest `quantization.json` beside the engine's quantized-weight cache for this package's weights and
+    quantization selection (what the techniques decided when the weights were quantized), or None. Read without
+    torch: the engine writes the weights directory and the selection into it (engine/quantized_cache.py)."""
+    value = os.environ.get("EMBER_QUANTIZED_CACHE", "")
+    if value.lower() in ("off", "0", "false", "none"):
+        return None
+    root = Path(value) if value else Path.home() / ".cache" / "ember" / "quantized"
+    weights_dir = str((package_dir / weights).resolve())
+    found = []
+    for path in root.glob("*/quantization.json"):
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if (isinstance(state, dict) and state.get("weights_dir") == weights_dir
+                and state.get("selection") == selection.name and state.get("options") == dict(selection.options)):
+            found.append((path.stat().st_mtime, path, state))
+    if not found:
+        return None
+    _, path, state = max(found, key=lambda f: f[0])
+    return path, state
+
+
+def print_quantization_plans(package_dir: Path, weights: str, selection: Any) -> None:
+    """Per technique that plans while quantizing (mixed precision): its stored plan, layer by layer; or where
+    and when it will be made."""
+    stored = stored_quantization_state(package_dir, weights, selection)
+    if stored is None:
+        console.print(f"quantization {selection.name}: no stored plan for these weights (a technique that plans "
+                      "while quantizing, such as mixed, stores its plan beside the quantized-weight cache on the "
+                      "first load; run the model once, then explain again)")
+        return
+    path, state = stored
+    for name, plan in state.get("techniques", {}).items():
+        layers = plan.get("layers") if isinstance(plan, dict) else None
+        if not isinstance(layers, dict):
+            continue
+        title = (f"quantization plan of '{name}' ({path}): {plan.get('achieved_bits')} bits per weight on average "
+                 f"(budget {plan.get('average_bits')})")
+        table = Table(title=title, caption=str(plan.get("rule", "")))
+        for column in ("layer", "precision", "bits", "sensitivity", "input max/mean", "kurtosis"):
+            table.add_column(column)
+        for layer, entry in layers.items():
+            sens = entry.get("sensitivity", {})
+            table.add_row(layer, str(entry.get("precision")), str(entry.get("bits")),
+                          ", ".join(f"{k} {v:.2e}" for k, v in sens.items() if k != "dense"),
+                          str(entry.get("input_outlier_ratio")), str(entry.get("input_kurtosis")))
+        console.print(table)

@@ -36,6 +36,6 @@ def ember_quantizers(register) -> None:
              options=("seed", "online", "kv_rotation"))
     register("mixed", "ember_plugins.quantization.mixed:MixedQuantizer",
              summary="outlier-aware mixed precision: int4 (groups 128/64/32), int8 or dense per layer from "
-                     "calibration sensitivity, under an average-bits budget; the plan is stored beside the quantized-weight "
-                     "cache and printed by ember explain",
+                     "calibration sensitivity, under an average-bits budget; the plan is stored beside the "
+                     "quantized-weight cache and printed by ember explain",
              options=("average_bits", "group_size", "symmetric", "skip"))
