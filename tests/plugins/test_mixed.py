@@ -1,0 +1,49 @@
+"""`mixed`: the greedy plan spends the bit budget where it saves the most sensitivity, never above the budget, the
+same every time; the engine stores each layer as the plan says (int4 and a higher precision side by side), and an
+impossible budget is refused naming the option."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ember_platform import LLM
+from ember_plugins.quantization.int4 import Int4Method
+from ember_plugins.quantization.mixed import plan_layers
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama" / "weights"
+LADDER = ("int4_g128", "int8", "dense")
+
+
+def layer(params: int, loss: dict[str, float]) -> dict[str, object]:
+    return {"params": params, "bits": {"int4_g128": 4.3, "int8": 8.1, "dense": 32.0}, "loss": loss}
+
+
+def test_the_budget_goes_to_the_layer_that_saves_most_per_bit_and_is_never_exceeded() -> None:
+    layers = {"a": layer(100, {"int4_g128": 1.0, "int8": 0.1, "dense": 0.0}),
+              "b": layer(100, {"int4_g128": 0.2, "int8": 0.05, "dense": 0.0}),
+              "c": layer(100, {"int4_g128": 0.05, "int8": 0.0, "dense": 0.0})}
+    assert plan_layers(layers, 4.3, LADDER) == {"a": "int4_g128", "b": "int4_g128", "c": "int4_g128"}
+    plan = plan_layers(layers, 5.6, LADDER)  # room for one layer at int8: the most sensitive one gets it
+    assert plan == {"a": "int8", "b": "int4_g128", "c": "int4_g128"}
+    for budget in (4.5, 6.0, 8.0, 12.0, 20.0):
+        plan = plan_layers(layers, budget, LADDER)
+        spent = sum(layers[n]["params"] * layers[n]["bits"][p] for n, p in plan.items()) / 300
+        assert spent <= budget + 1e-9
+        assert plan == plan_layers(dict(reversed(list(layers.items()))), budget, LADDER)  # deterministic
+
+
+def test_the_engine_stores_each_layer_as_planned() -> None:
+    llm = LLM(EXAMPLE, quantization="mixed", quantization_options={"average_bits": 6.0})
+    linears = [m for name, m in llm.engine.model.named_modules() if hasattr(m, "mixed_method")]
+    kinds = {type(m.mixed_method).__name__ for m in linears}
+    assert linears and len(kinds) >= 2, kinds  # int4 for most, something more precise where it matters
+    assert any(isinstance(m.mixed_method, Int4Method) for m in linears)
+    out = llm.generate(["def main():\n    return"])[0]
+    assert out.token_ids  # it runs end to end on the planned layers
+
+
+def test_a_budget_below_int4_is_refused_naming_the_option() -> None:
+    with pytest.raises(Exception, match=r"quantization\.options\.average_bits"):
+        LLM(EXAMPLE, quantization="mixed", quantization_options={"average_bits": 2.0})
