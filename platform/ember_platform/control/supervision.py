@@ -14,8 +14,8 @@ import httpx
 from ember.launch import LaunchError, LaunchState, ReplicaSpec, Resources
 from ember_platform.control.core import PlaneCore, retrieve
 from ember_platform.control.deployments import Deployment, Replica, ReplicaState
-from ember_platform.replica.app import FAILED
 from ember_platform.replica.auth import auth_headers, new_secret
+from ember_platform.replica.core import FAILED
 
 logger = logging.getLogger("ember.control")
 

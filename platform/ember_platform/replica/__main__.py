@@ -14,8 +14,8 @@ from typing import Any
 
 from ember.errors import EmberError
 from ember_platform.engine.config import override_value
-from ember_platform.replica.app import DEFAULT_STREAM_EVENT_RATE, MAX_STREAM_INTERVAL, Replica
 from ember_platform.replica.auth import SECRET_ENV, new_secret
+from ember_platform.replica.core import DEFAULT_STREAM_EVENT_RATE, MAX_STREAM_INTERVAL, Replica
 from ember_platform.replica.server import DEFAULT_DRAIN_TIMEOUT, READY_LINE, serve
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")

@@ -21,7 +21,8 @@ import uvicorn
 
 from ember.launch import READY_LINE
 from ember_platform.gateway.connections import ConnectionLimits, guarded_protocol
-from ember_platform.replica.app import STARTING, Replica, create_app
+from ember_platform.replica.app import create_app
+from ember_platform.replica.core import STARTING, Replica
 from ember_platform.replica.routing import RoutingPresence
 
 log = logging.getLogger("ember.replica")

@@ -13,7 +13,8 @@ import torch
 import transformers
 
 from ember_platform import LLM, SamplingParams
-from ember_platform.replica.app import Replica, create_app
+from ember_platform.replica.app import create_app
+from ember_platform.replica.core import Replica
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny-llama"
 PROMPT = [5, 17, 99, 260, 33, 12, 7, 400]
