@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -260,6 +261,38 @@ def stop_serve(process: subprocess.Popen | None, replica_pids: set[int], home: P
         if "ember_platform.replica" in command and str(home) in command:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+@dataclass
+class Launched:
+    """An `ember serve` child started by `launch_serve`: its process, log, environment and API key."""
+
+    process: subprocess.Popen[str]
+    log: Path
+    env: dict[str, str]
+    api_key: str
+
+
+def launch_serve(tmp: Path, package: Path, admin_key: str) -> Launched:
+    """Start `ember serve PACKAGE --port 0` with its state under `tmp` and one API key created first (the caller
+    waits for it with `serve_ready_url` and stops it with `stop_serve`)."""
+    env = {**os.environ, "EMBER_HOME": str(tmp / "home"), "EMBER_REGISTRY": str(tmp / "registry"),
+           "EMBER_CACHE": str(tmp / "cache"), "EMBER_ADMIN_KEY": admin_key, "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1"}
+    created = subprocess.run([sys.executable, "-m", "ember", "keys", "create", "--name", "tests"], env=env,
+                             capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert created.returncode == 0, created.stderr
+    log = tmp / "serve.log"
+    with open(log, "w") as log_file:
+        process = subprocess.Popen([sys.executable, "-m", "ember", "serve", str(package), "--port", "0"], env=env,
+                                   stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=REPO_ROOT)
+    return Launched(process, log, env, created.stdout.strip())
+
+
+@pytest.fixture(name="launch_serve", scope="session")
+def launch_serve_fixture() -> Callable[[Path, Path, str], Launched]:
+    """launch_serve(tmp, package, admin_key): see `launch_serve`."""
+    return launch_serve
 
 
 @pytest.fixture(name="stop_serve", scope="session")

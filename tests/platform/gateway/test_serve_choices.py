@@ -4,11 +4,8 @@ field for each value out of bounds."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,20 +73,11 @@ def package_with_adapter(root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, stop_serve: Callable[..., None],
-           serve_ready_url: Callable[..., str]) -> Iterator[Served]:
+           serve_ready_url: Callable[..., str], launch_serve: Callable[..., Any]) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("serve-choices")
-    env = {**os.environ, "EMBER_HOME": str(tmp / "home"), "EMBER_REGISTRY": str(tmp / "registry"),
-           "EMBER_CACHE": str(tmp / "cache"), "EMBER_ADMIN_KEY": ADMIN_KEY, "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1"}
-    created = subprocess.run([sys.executable, "-m", "ember", "keys", "create", "--name", "tests"], env=env,
-                             capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert created.returncode == 0, created.stderr
-    log = tmp / "serve.log"
-    with open(log, "w") as log_file:
-        package = package_with_adapter(tmp)
-        process = subprocess.Popen([sys.executable, "-m", "ember", "serve", str(package), "--port", "0"], env=env,
-                                   stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=REPO)
-    server = Served("", created.stdout.strip(), tmp / "home", log)
+    launched = launch_serve(tmp, package_with_adapter(tmp), ADMIN_KEY)
+    process, log = launched.process, launched.log
+    server = Served("", launched.api_key, tmp / "home", log)
     pids: set[int] = set()
     try:
         server.url = serve_ready_url(process, log, 120.0)

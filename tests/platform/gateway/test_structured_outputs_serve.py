@@ -5,10 +5,7 @@ valid answer here is the grammar's doing."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -53,19 +50,11 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, stop_serve: Callable[..., None],
-           serve_ready_url: Callable[..., str]) -> Iterator[Served]:
+           serve_ready_url: Callable[..., str], launch_serve: Callable[..., Any]) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("structured")
-    env = {**os.environ, "EMBER_HOME": str(tmp / "home"), "EMBER_REGISTRY": str(tmp / "registry"),
-           "EMBER_CACHE": str(tmp / "cache"), "EMBER_ADMIN_KEY": ADMIN_KEY, "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1"}
-    created = subprocess.run([sys.executable, "-m", "ember", "keys", "create", "--name", "tests"], env=env,
-                             capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert created.returncode == 0, created.stderr
-    log = tmp / "serve.log"
-    with open(log, "w") as log_file:
-        process = subprocess.Popen([sys.executable, "-m", "ember", "serve", str(EXAMPLE), "--port", "0"], env=env,
-                                   stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=REPO)
-    server = Served("", created.stdout.strip(), tmp / "home")
+    launched = launch_serve(tmp, EXAMPLE, ADMIN_KEY)
+    process, log = launched.process, launched.log
+    server = Served("", launched.api_key, tmp / "home")
     try:
         server.url = serve_ready_url(process, log, 120.0)
         deployment = httpx.get(f"{server.url}/admin/deployments/{MODEL}", timeout=60,
