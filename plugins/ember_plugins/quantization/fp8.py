@@ -42,7 +42,7 @@ from ember_platform.api import (
     copy_shard,
     skipped,
 )
-from ember_plugins.quantization.int8 import aligned
+from ember_plugins.quantization.int8 import aligned, standalone_linear
 
 KERNELS = ("auto", "native", "torch")
 ACTIVATIONS = ("none", "fp8")
@@ -220,19 +220,8 @@ def Fp8Linear(weight: torch.Tensor | None, bias: torch.Tensor | None, kernel: st
               quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> Linear:
     """A standalone fp8 `Linear` from full-precision `weight` or from `quantized=(qweight, scale)`: for tests and
     benchmarks."""
-    source = weight if quantized is None else quantized[0]
-    assert source is not None
     method = Fp8LinearMethod(kernel, dense_threshold, prequantized=quantized is not None)
-    layer = Linear(source.shape[1], source.shape[0], bias=bias is not None, ops=None, method=method)
-    if quantized is None:
-        layer.weight = nn.Parameter(weight.detach(), requires_grad=False)
-    else:
-        layer.weight = nn.Parameter(quantized[0], requires_grad=False)
-        layer.weight_scale = nn.Parameter(quantized[1], requires_grad=False)
-    if bias is not None:
-        layer.bias = nn.Parameter(bias.detach(), requires_grad=False)
-    layer.finish_loading()
-    return layer
+    return standalone_linear(method, weight, bias, quantized)
 
 
 class Fp8Quantizer(Quantizer):

@@ -225,9 +225,16 @@ def Int8Linear(weight: torch.Tensor | None, bias: torch.Tensor | None, kernel: s
                quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> Linear:
     """A standalone int8 `Linear` from full-precision `weight`, or from `quantized=(qweight, scale)` as given
     (views included: `after_loading` aligns them), without a checkpoint: for tests and benchmarks."""
+    method = Int8LinearMethod(kernel, dense_threshold, prequantized=quantized is not None)
+    return standalone_linear(method, weight, bias, quantized)
+
+
+def standalone_linear(method: LinearMethod, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                      quantized: tuple[torch.Tensor, torch.Tensor] | None) -> Linear:
+    """A `Linear` of `method` finished without a checkpoint: from full-precision `weight`, or from
+    `quantized=(qweight, weight_scale)` as given (int8's and fp8's standalone layers)."""
     source = weight if quantized is None else quantized[0]
     assert source is not None
-    method = Int8LinearMethod(kernel, dense_threshold, prequantized=quantized is not None)
     layer = Linear(source.shape[1], source.shape[0], bias=bias is not None, ops=None, method=method)
     if quantized is None:
         layer.weight = nn.Parameter(weight.detach(), requires_grad=False)
