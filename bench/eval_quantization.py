@@ -147,6 +147,8 @@ def main() -> None:
                         help=f"decode tokens/s on the larger model ({LARGE}, made by bench/make_large_model.py)")
     parser.add_argument("--quality", action=argparse.BooleanOptionalAction, default=True,
                         help="perplexity and agreement on the example model (--no-quality: the speed table only)")
+    parser.add_argument("--only", action="append", default=[], metavar="LABEL",
+                        help="run only the rows whose label contains LABEL (repeatable; default: every row)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     from tokenizers import Tokenizer
@@ -183,6 +185,8 @@ def main() -> None:
         del dense
         rows.append({"method": "dense (float32)", "ppl": math.exp(dense_loss), "agreement": 1.0, "status": "ok"})
         for label, method, options in METHODS if args.quality else []:
+            if args.only and not any(o in label for o in args.only):
+                continue
             missing = [n for n in names(method) if n not in installed]
             if missing:
                 rows.append({"method": label, "status": f"not installed ({', '.join(missing)})"})

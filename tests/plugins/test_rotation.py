@@ -173,3 +173,36 @@ def test_tied_embeddings_are_refused(tmp_path: Path) -> None:
         (tied / name).symlink_to(EXAMPLE / name)
     with pytest.raises(ValueError, match=r"'rotation': not supported yet for tied embeddings"):
         LLM(tied, quantization="rotation")
+
+
+def test_rotation_then_gptq_calibrates_every_linear_down_proj_included() -> None:
+    """gptq after a rotation: down_proj's stored weight is W R, so its Hessian must be of the rotated input x R
+    (`OnlineRotationMethod.calibration_input`); a Hessian of x would fit the weights to the wrong inputs."""
+    text, _ = calibration_text(None)
+    ids = Tokenizer.from_dir(EXAMPLE).encode(text, add_special_tokens=False)[:256]
+    options = {"gptq": {"num_samples": 4, "seq_len": 128, "group_size": 64}}
+    gptq = LLM(EXAMPLE, quantization=["rotation", "gptq"], quantization_options=options).engine.model
+    rtn = LLM(EXAMPLE, quantization=["rotation", "int4"], quantization_options={"int4": {"group_size": 64}}
+              ).engine.model
+    dense = LLM(EXAMPLE, quantization="rotation").engine.model  # the same rotated weights, unquantized
+    for i in range(4):
+        down = gptq.model.layers[i].mlp.down_proj
+        assert isinstance(down.method, rotation.OnlineRotationMethod), down.method
+        assert down.method.describe(down).startswith("online Hadamard (43x16) + gptq 4-bit"), down.method.describe(down)
+    # Each down_proj on the inputs it sees in the full-precision model: gptq's output error well below round to
+    # nearest's (the Hessian of the right inputs), layer by layer.
+    inputs: dict[int, torch.Tensor] = {}
+    handles = [dense.model.layers[i].mlp.down_proj.register_forward_pre_hook(
+        lambda _m, args, i=i: inputs.__setitem__(i, args[0].clone())) for i in range(4)]
+    with torch.inference_mode():
+        run_prefill(dense, ids)
+    for handle in handles:
+        handle.remove()
+    with torch.inference_mode():
+        for i, x in inputs.items():
+            y = dense.model.layers[i].mlp.down_proj(x)
+
+            def error(model: torch.nn.Module, x: torch.Tensor = x, y: torch.Tensor = y, i: int = i) -> float:
+                return float((model.model.layers[i].mlp.down_proj(x) - y).norm() / y.norm())
+
+            assert error(gptq) < 0.7 * error(rtn), (i, error(gptq), error(rtn))

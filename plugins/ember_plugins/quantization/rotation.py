@@ -66,6 +66,15 @@ class OnlineRotationMethod(LinearMethod):
             handle.remove()
         self.inner.after_loading(layer)
 
+    def calibration_input(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """What the stored (rotated) weight multiplies, given what a forward pre-hook on the layer saw before it
+        was finalized (a calibrating method's Hessian, gptq's): x R already, since the rotation's own pre-hook is
+        the first to run (registered with prepend=True) and hands the rotated input on to every later hook."""
+        if "_rotation_hook" not in layer.__dict__:
+            raise QuantizationError(f"rotation: the online rotation of a {layer.in_features}-input layer was asked "
+                                    "for a calibration input after the layer was finalized")
+        return x
+
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         STATS["online_rotations"] += 1
         return self.inner.apply(layer, self.rotation.rotate_activations(x), bias)
@@ -194,7 +203,10 @@ class RotationQuantizer(Quantizer):
                 layer = linear(name)
                 rotation = self._online_rotation(layer.in_features)
                 rotated[name] = rotation.rotate(rotated.get(name, layer.weight.data.double()))  # W R
-                layer._rotation_hook = layer.register_forward_pre_hook(_rotate_input_before_finalized(rotation))
+                # First among the layer's pre-hooks, so that whatever hooks in later (calibration's capture, gptq's
+                # Hessian) sees the input the rotated weight multiplies.
+                layer._rotation_hook = layer.register_forward_pre_hook(_rotate_input_before_finalized(rotation),
+                                                                       prepend=True)
             for name, w in rotated.items():
                 set_weight(model.get_submodule(name), w)
 
