@@ -206,3 +206,23 @@ def test_rotation_then_gptq_calibrates_every_linear_down_proj_included() -> None
                 return float((model.model.layers[i].mlp.down_proj(x) - y).norm() / y.norm())
 
             assert error(gptq) < 0.7 * error(rtn), (i, error(gptq), error(rtn))
+
+
+def test_lora_adapters_are_refused_with_rotation(tmp_path: Path) -> None:
+    """An adapter's A (of a residual reader) and B (of a writer) live in the unrotated basis: served on rotated
+    weights they would add deltas in the wrong coordinates, so each one is refused, naming the setting."""
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(EXAMPLE)
+    adapter = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    adapter.save_pretrained(tmp_path / "adapter")
+    plain = LLM(EXAMPLE, quantization="int4")
+    plain.engine.add_lora("a", tmp_path / "adapter")  # the same adapter on unrotated quantized weights: served
+    assert plain.engine.lora is not None and "a" in plain.engine.lora.specs
+    for method in ("rotation", ["rotation", "int4"]):
+        rotated = LLM(EXAMPLE, quantization=method)
+        with pytest.raises(ValueError, match=r"LoRA adapter 'a': not supported with \[quantization\] method "
+                                             r"'rotation': not supported yet: the rotation rewrites the weights in "
+                                             r"a rotated basis"):
+            rotated.engine.add_lora("a", tmp_path / "adapter")

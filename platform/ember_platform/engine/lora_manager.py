@@ -43,10 +43,11 @@ class LoRAManager:
     def __init__(self, model: nn.Module, layouts: Mapping[str, LoRALayout],
                  target_of: Callable[[str], tuple[str, Hashable | None] | None], *, max_loras: int,
                  max_lora_rank: int, max_cpu_loras: int | None = None, memory_budget_bytes: float | None = None,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, refusal: str | None = None) -> None:
         if max_loras < 0 or max_lora_rank < 1:
             raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1 (got {max_loras}, {max_lora_rank})")
         self.model = model
+        self.refusal = refusal  # why no adapter can apply to this model's weights (a quantizer's), or None
         self.layouts = dict(layouts)
         self.target_of = target_of
         self.max_loras = max_loras
@@ -75,6 +76,8 @@ class LoRAManager:
             raise ValueError(f"a LoRA adapter named '{name}' is already registered; remove_lora('{name}') first")
         if self.max_loras == 0:
             raise ValueError("this engine was started with max_loras=0: it serves no LoRA adapters")
+        if self.refusal is not None:
+            raise LoRAAdapterError(f"LoRA adapter '{name}': not supported with {self.refusal}")
         spec = inspect_adapter(name, path, self.layouts, self.target_of, max_rank=self.max_lora_rank)
         retired = self._retired.get(name)
         if retired is not None and retired != spec.digest:

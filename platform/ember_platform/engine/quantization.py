@@ -56,10 +56,13 @@ class Quantizer(ABC):
     Class attributes a technique may set: `needs_calibration` (the engine then loads full precision, runs the
     model on calibration text and gives `calibrate` the inputs of every linear before any layer is finalized);
     `checkpoint_format` (a config.json `quant_method` this technique loads, e.g. "compressed-tensors");
-    `transforms_model` (the engine loads full precision and calls `transform_model` first, see the module docs).
+    `transforms_model` (the engine loads full precision and calls `transform_model` first, see the module docs);
+    `lora_refusal` (why LoRA adapters cannot be served on weights this technique rewrote, e.g. into another basis:
+    the engine then refuses every adapter with it, at start for `[[lora]]` entries and in `add_lora`).
     """
 
     needs_calibration: ClassVar[bool] = False
+    lora_refusal: ClassVar[str | None] = None
     transforms_model: ClassVar[bool] = False
     checkpoint_format: ClassVar[str | None] = None
 

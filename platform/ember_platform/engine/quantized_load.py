@@ -56,6 +56,7 @@ class QuantizedLoad:
     timings: dict[str, float]  # "load" (all of it) and "quantize" (the layers' after_loading, part of "load")
     from_cache: bool
     layer_methods: dict[str, str]  # layer name -> its method, for the layers not left full precision
+    lora_refusal: str | None = None  # why adapters cannot apply to these weights (`Quantizer.lora_refusal`)
 
 
 def resolve_chain(selection: SelectionReport, plugins: PluginHost,
@@ -110,6 +111,8 @@ def load_quantized(model: nn.Module, build: Callable[[], nn.Module], *, source: 
     checkpoint = hf_config.get("quantization_config")
     for i, technique in enumerate(chain):
         technique.prepare(QuantizationContext(structure, hf_config, checkpoint, names, i))
+    refusal = next((f"[quantization] method '{name}': {t.lora_refusal}" for name, t in zip(names, chain, strict=True)
+                    if t.lora_refusal), None)
 
     # Quantized weights the package ships (`ember quantize`), then the engine's own cache of an earlier start.
     shipped = (find_entry(source.root, source.weights_dir, selection.name, selection.options, dtype)
@@ -119,7 +122,8 @@ def load_quantized(model: nn.Module, build: Callable[[], nn.Module], *, source: 
             methods = set_linear_methods(model, _restored_factory(chain), dtype)
             load_weights(model, shipped)
             log.info("quantized weights loaded from the package: %s", shipped)
-            return model, QuantizedLoad(names, {"load": time.perf_counter() - t0, "quantize": 0.0}, True, methods)
+            return model, QuantizedLoad(names, {"load": time.perf_counter() - t0, "quantize": 0.0}, True, methods,
+                                        refusal)
         except (OSError, ValueError) as e:  # QuantizationError is a ValueError
             log.warning("the package's quantized weights %s do not load (%s); quantizing at start", shipped, e)
             model = build()
@@ -137,7 +141,7 @@ def load_quantized(model: nn.Module, build: Callable[[], nn.Module], *, source: 
                 load_weights(model, entry)
                 log.info("quantized weights restored from the cache: %s", entry)
                 return model, QuantizedLoad(names, {"load": time.perf_counter() - t0, "quantize": 0.0}, True,
-                                            methods)
+                                            methods, refusal)
             except (OSError, ValueError) as e:  # QuantizationError is a ValueError
                 log.warning("quantized-weight cache entry %s is unreadable (%s); quantizing again", entry, e)
                 cache.discard(key)
@@ -169,7 +173,8 @@ def load_quantized(model: nn.Module, build: Callable[[], nn.Module], *, source: 
             cache.save(key, model, state)
         elif state["techniques"]:  # not restorable, but what was decided is kept for `ember explain`
             cache.save_state(key, state)
-    return model, QuantizedLoad(names, {"load": time.perf_counter() - t0, "quantize": quantize_s}, False, methods)
+    return model, QuantizedLoad(names, {"load": time.perf_counter() - t0, "quantize": quantize_s}, False, methods,
+                                refusal)
 
 
 def _saved_state(chain: list[Quantizer], names: tuple[str, ...], source: ModelSource,

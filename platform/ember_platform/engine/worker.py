@@ -150,7 +150,7 @@ class Worker:
                                 max_lora_rank=options.get("max_lora_rank", 64),
                                 max_cpu_loras=options.get("max_cpu_loras"),
                                 memory_budget_bytes=None if budget is None else budget * 2**30,
-                                device=self.device, dtype=c.dtype)
+                                device=self.device, dtype=c.dtype, refusal=quantized.lora_refusal)
         return LoadReport(dict(self.timings), self.quantized_from_cache)
 
     # --- KV cache ---------------------------------------------------------------------------

@@ -16,7 +16,8 @@ See `hadamard.py` for the matrices (sizes with an odd factor included). Limits, 
 tied embeddings (the LM head would need E diag(g) Q while the embeddings need E Q), a sharded model (the folds
 need whole matrices), a checkpoint already quantized, any position but the first in the chain (every method
 after it must see the rotated full-precision weights, and calibration must run on the rotated model), and the
-rotation of q/k inside attention (`kv_rotation`, not implemented).
+rotation of q/k inside attention (`kv_rotation`, not implemented), and LoRA adapters (`lora_refusal`: their A/B
+matrices are in the unrotated basis; every adapter is refused at start or in `add_lora`).
 """
 
 from __future__ import annotations
@@ -97,6 +98,9 @@ class RotationQuantizer(Quantizer):
     rotating q/k per head after RoPE is not implemented)."""
 
     transforms_model = True
+    lora_refusal = ("not supported yet: the rotation rewrites the weights in a rotated basis (norms folded, W Q, "
+                    "Q^T W, an online Hadamard before down_proj), and an adapter's A and B matrices were trained on "
+                    "the original one; serve adapters without rotation (e.g. method = \"int4\")")
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
