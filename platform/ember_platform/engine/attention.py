@@ -156,6 +156,12 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     decode_only: bool  # every request has exactly one query token
+    # Tree drafts (spec_tree.py): batch index -> [q_len, q_len] bool on the host, over that request's query run
+    # (its newest token, then its draft nodes): query j sees query-run key j' only where the mask is set (itself and
+    # its ancestors); keys before the run are seen as usual. Empty on every step without a tree. Only backends
+    # whose class sets `supports_tree_attention = True` get such steps (the engine refuses a tree speculator
+    # otherwise).
+    tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     # Per-step tensors a backend derives once and reuses in every layer (keyed by the backend).
     scratch: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -233,8 +239,10 @@ class AttentionBackend(Protocol):
     meta.scratch)` (or its own kernel for a layout of its own).
 
     Class attributes: `name`; `kv_cache_dtypes` (default ("auto",)); `block_sizes` (None: any the manifest
-    allows). Methods: `kv_cache_spec(block_size)` (the layout the worker allocates), `metadata_builder(
-    block_size, device)` (None, or the per-step planner), `forward`.
+    allows); `supports_tree_attention` (default False: it ignores `meta.tree_masks`, so the engine refuses a
+    speculator that drafts trees with it; a backend that sets it honours the masks and keeps the default "HND"
+    layout, in which the engine moves an accepted path's KV by slot). Methods: `kv_cache_spec(block_size)` (the
+    layout the worker allocates), `metadata_builder(block_size, device)` (None, or the per-step planner), `forward`.
     """
 
     name: str

@@ -36,6 +36,7 @@ from ember_platform.engine.sampler import Sampler, TokenLogprobs, make_generator
 from ember_platform.engine.sampling_params import SamplingParams
 from ember_platform.engine.scheduler import Scheduler
 from ember_platform.engine.spec_decode import SpecDecoder
+from ember_platform.engine.spec_tree import kv_moves
 from ember_platform.engine.speculation import Speculator, SpeculatorContext
 from ember_platform.engine.step_plan import BlockTables, StepOutput, StepPlan
 from ember_platform.engine.step_sampler import RequestState, StepSampler
@@ -112,6 +113,7 @@ class LLMEngine:
         self.max_model_len = rt.max_model_len or int(self.hf_config.get("max_position_embeddings", 2048))
         check_context_length(rt.max_model_len, self.hf_config, source)
         self.speculator = self._make_speculator()
+        self._check_tree_attention()
         self.spec = None if self.speculator is None else SpecDecoder(
             self.speculator, num_speculative_tokens=manifest.speculator.num_speculative_tokens,
             max_batch_size=manifest.speculator.max_batch_size, max_model_len=self.max_model_len,
@@ -197,6 +199,17 @@ class LLMEngine:
                                     self.dtype, model_dir, self.hf_config, self.block_size,
                                     target_model=driver.model if driver is not None else None)
         return cls(spec.options, context)
+
+    def _check_tree_attention(self) -> None:
+        """A speculator that drafts trees needs an attention backend that applies tree masks (spec_tree.py)."""
+        if self.speculator is None or not self.speculator.drafts_trees:
+            return
+        backend = self._technique("attention")
+        if not getattr(backend, "supports_tree_attention", False):
+            raise ValueError(f"speculator '{self.selections['speculator'].name}' drafts trees, but attention backend "
+                             f"'{self.selections['attention'].name}' does not support tree attention (its class "
+                             "sets no supports_tree_attention): select a backend that does, e.g. 'torch', or "
+                             "draft chains (no speculator.options.tree)")
 
     def _bind_draft_kv(self) -> None:
         assert self.spec is not None and self.speculator is not None
@@ -400,12 +413,16 @@ class LLMEngine:
         if grammar_errors:  # their tokens were drawn without their grammar
             sampled_tokens = [None if r.request_id in grammar_errors else t
                               for r, t in zip(sampled, sampled_tokens, strict=True)]
+        if spec is not None and plan.trees:  # before any block is cached: the next step sees ordinary sequences
+            self._move_tree_kv(sampled, spec.tree_paths(sampled, sampled_tokens))
         seconds = time.perf_counter() - t0
         self._measure_prefill(sum(batch.num_tokens), seconds)
         if spec is not None:
-            spec.record_step(plan.num_tokens, seconds, [
-                (len(req.spec_token_ids), len(tokens) - 1) for req, tokens in zip(sampled, sampled_tokens, strict=True)
-                if tokens is not None and req.spec_token_ids])
+            verified = [(req, tokens) for req, tokens in zip(sampled, sampled_tokens, strict=True)
+                        if tokens is not None and req.spec_token_ids]
+            spec.record_step(plan.num_tokens, seconds, [(len(req.spec_token_ids), len(tokens) - 1)
+                                                        for req, tokens in verified],
+                             [req.request_id for req, _ in verified])
         failed = {id(req) for req, tokens in zip(sampled, sampled_tokens, strict=True) if tokens is None}
         for req, n in zip(batch.requests, batch.num_tokens, strict=True):
             if id(req) in failed:
@@ -436,6 +453,21 @@ class LLMEngine:
         if spec is not None:
             self._propose(spec, batch.requests, plan, result, [num_accepted[i] for i in range(len(batch.requests))])
         return outputs
+
+    def _move_tree_kv(self, sampled: list[Request], paths: dict[str, list[int]]) -> None:
+        """Move each tree request's accepted path's KV to the positions after its root (spec_tree.kv_moves)."""
+        src: list[int] = []
+        dst: list[int] = []
+        bs = self.block_size
+        for req in sampled:
+            path = paths.get(req.request_id)
+            if not path:
+                continue
+            for a, b in kv_moves(path, req.num_computed_tokens):  # the root is the newest token, not yet counted
+                src.append(req.block_ids[a // bs] * bs + a % bs)
+                dst.append(req.block_ids[b // bs] * bs + b % bs)
+        if src:
+            self.executor.move_kv(src, dst)
 
     def _record_prompt_logprobs(self, batch: list[Request], plan: StepPlan, logits: torch.Tensor) -> None:
         """Each prompt position's logprob of the prompt token after it, with the top alternatives (raw model
@@ -495,6 +527,7 @@ class LLMEngine:
         num_rejected = len(req.spec_token_ids) - (len(new_tokens) - 1)
         req.num_computed_tokens -= num_rejected
         req.spec_token_ids = []
+        req.spec_parents = None
         p = req.params
         eos = self.tokenizer.eos_token_ids
         structured = req.request_id in self.structured

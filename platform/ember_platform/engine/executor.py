@@ -70,6 +70,10 @@ class Executor(ABC):
         """Run one step on every rank; the driver's output."""
         return self.run_workers("execute", plan)[0]
 
+    def move_kv(self, src: list[int], dst: list[int]) -> None:
+        """Copy KV slots `src` to `dst` on every rank (tree drafts: the accepted path made consecutive)."""
+        self.run_workers("move_kv", src, dst)
+
     def sleep(self) -> None:
         self.run_workers("sleep")
 

@@ -52,7 +52,29 @@ def plan_metadata(plan: StepPlan, block_size: int, device: torch.device) -> Atte
         max_query_len=max(plan.query_lens, default=0),
         max_seq_len=max(plan.seq_lens, default=0),
         decode_only=all(q == 1 for q in plan.query_lens),
+        tree_masks=_tree_masks(plan),
     )
+
+
+def _tree_masks(plan: StepPlan) -> dict[int, torch.Tensor]:
+    if not plan.trees:
+        return {}
+    from ember_platform.engine.spec_tree import ancestor_mask
+
+    return {i: ancestor_mask(parents) for i, parents in plan.trees}
+
+
+def move_kv(kv_caches: list[KVCache], src: torch.Tensor, dst: torch.Tensor, block_size: int) -> None:
+    """Copy the KV entries of slots `src` into slots `dst` ([n] int64, block_id * block_size + offset) in every
+    layer's cache tensors (the "HND" layout: dim 2 is the offset in the block; scales `[blocks, Hkv, bs]` too)."""
+    blocks_src, offsets_src = src // block_size, src % block_size
+    blocks_dst, offsets_dst = dst // block_size, dst % block_size
+    for cache in kv_caches:
+        for t in cache:
+            if t.element_size() == 1 and t.dtype not in (torch.int8, torch.uint8):
+                t = t.view(torch.uint8)  # fp8: indexing kernels copy bytes alike
+            values = t[blocks_src, :, offsets_src]  # [n, Hkv, ...]: gathered first, so overlapping moves are safe
+            t[blocks_dst, :, offsets_dst] = values
 
 
 class ModelRunner:
@@ -76,7 +98,7 @@ class ModelRunner:
         for builder in self.attention_builders:
             builder.build(meta)
         ids = _to(plan.input_ids, self.device)
-        pos = _to(plan.positions, self.device)
+        pos = _to(plan.positions if plan.rope_positions is None else plan.rope_positions, self.device)
         aux: dict[int, torch.Tensor] | None = dict.fromkeys(plan.aux_layers) if plan.aux_layers else None
         if self.lora is not None:  # one token -> slot index per step, shared by every LoRA layer
             self.lora.begin_step(plan.lora_names, plan.query_lens)
@@ -96,3 +118,10 @@ class ModelRunner:
         else:
             logits = hidden.new_zeros((0, 0)).float()
         return StepOutput(logits, hidden if plan.return_hidden_states else None, aux or {})
+
+    @torch.inference_mode()
+    def move_kv(self, src: list[int], dst: list[int]) -> None:
+        """Copy KV slots `src` to `dst` in every layer (an accepted tree path moved to consecutive positions)."""
+        if src:
+            move_kv(self.kv_caches, torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device),
+                    self.block_size)

@@ -33,7 +33,7 @@ class Request:
     __slots__ = ("_extra", "arrival", "block_hashes", "block_ids", "cache_salt", "finish_reason",
                  "lora_name", "num_cached_tokens", "num_computed_tokens", "num_preemptions", "num_shared_tokens",
                  "output_token_ids", "params", "prefill_leader", "prompt_logprobs", "prompt_token_ids", "request_id",
-                 "spec_token_ids", "status", "stop_reason")
+                 "spec_parents", "spec_token_ids", "status", "stop_reason")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
                  *, lora_name: str | None = None, cache_salt: str | None = None,
@@ -54,6 +54,9 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[BlockHash] = []
         self.spec_token_ids: list[int] = []  # proposed by a speculator, verified next step
+        # Tree drafts (spec_tree.py): each draft's parent, of which the first len(spec_token_ids) apply (a prefix of
+        # a tree is a tree, so cutting spec_token_ids keeps it valid); None for chains. The scheduler never reads it.
+        self.spec_parents: list[int] | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         # A sibling (same prompt, adapter and salt: one of a request's n choices) whose prefill this one waits for,
@@ -74,6 +77,15 @@ class Request:
     @property
     def num_tokens_with_spec(self) -> int:
         return self.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def spec_tree(self) -> list[int] | None:
+        """The parents of the scheduled drafts when they form a tree that is not a chain, else None."""
+        parents = self.spec_parents
+        if parents is None or not self.spec_token_ids:
+            return None
+        parents = parents[:len(self.spec_token_ids)]
+        return None if all(p == i - 1 for i, p in enumerate(parents)) else parents
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -100,6 +100,7 @@ class SamplingBatch:
         output_ids: Sequence[Sequence[int]] | torch.Tensor | None = None,
         suppressed_ids: Sequence[Collection[int]] | None = None,
         draft_ids: Sequence[Sequence[int]] | None = None,
+        draft_parents: Sequence[Sequence[int] | None] | None = None,
     ) -> SamplingBatch:
         """One entry per request in every sequence argument.
 
@@ -109,6 +110,8 @@ class SamplingBatch:
         suppressed_ids: ids to mask to -inf per request (EOS and stop ids before min_tokens).
         draft_ids: speculative tokens to verify; request r then owns 1 + len(draft_ids[r]) rows, and the
             penalties of position j also count drafts[:j] as output.
+        draft_parents: per request None (a chain) or its drafts' tree (spec_tree.py): then the penalties of the row
+            after node i count the drafts on the path to node i.
         """
         device = torch.device(device)
         num_requests = len(params)
@@ -153,7 +156,8 @@ class SamplingBatch:
 
         draft_prefix = None
         if draft_ids is not None and any(needs_output):
-            draft_prefix = pad_token_ids([d[:j] if needs_output[r] else () for r, d in enumerate(draft_ids)
+            draft_prefix = pad_token_ids([_draft_prefix(d, None if draft_parents is None else draft_parents[r], j)
+                                          if needs_output[r] else () for r, d in enumerate(draft_ids)
                                           for j in range(len(d) + 1)], vocab_size, device)
         seeded_random = tuple(i for i, (g, gen) in enumerate(zip(greedy, row_generators, strict=True))
                               if not g and gen is not None)
@@ -190,6 +194,18 @@ class SamplingBatch:
             max_num_logprobs=max(num_logprobs, default=0),
             any_logprobs=bool(num_logprobs),
         )
+
+
+def _draft_prefix(drafts: Sequence[int], parents: Sequence[int] | None, row: int) -> list[int]:
+    """The drafts before row `row` of a verifying request: drafts[:row] for a chain, the path to node row - 1 in a
+    tree."""
+    if parents is None:
+        return list(drafts[:row])
+    path, node = [], row - 1
+    while node >= 0:
+        path.append(drafts[node])
+        node = parents[node]
+    return path[::-1]
 
 
 @dataclass(slots=True)

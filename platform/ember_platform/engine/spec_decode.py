@@ -11,6 +11,7 @@ import torch
 
 from ember_platform.engine.request import Request, RequestStatus
 from ember_platform.engine.spec_length import SpeculationLength
+from ember_platform.engine.spec_tree import accepted_path, depths, is_chain, prune
 from ember_platform.engine.speculation import Speculator, SpeculatorInputs
 from ember_platform.engine.step_plan import StepOutput, StepPlan
 
@@ -22,7 +23,8 @@ class SpecDecoder:
                  max_model_len: int, num_layers: int, adaptive: bool = True) -> None:
         self.speculator = speculator
         self.k = num_speculative_tokens
-        self.length = SpeculationLength(num_speculative_tokens, adaptive=adaptive)
+        self.length = SpeculationLength(num_speculative_tokens, adaptive=adaptive,
+                                        tree=bool(speculator.drafts_trees))
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
         aux = tuple(int(i) for i in speculator.aux_layers())
@@ -34,13 +36,26 @@ class SpecDecoder:
         self.return_hidden_states = bool(speculator.uses_hidden_states)
         self.draft_kv_caches: list = []
         self._probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] probabilities of its pending drafts
+        self._paths: dict[str, list[int]] = {}  # this step's tree requests: request id -> accepted nodes
+        self.num_tree_moves = 0  # accepted tree paths off the first nodes, whose KV the engine moved
 
-    def record_step(self, num_tokens: int, seconds: float, verified: Sequence[tuple[int, int]]) -> None:
+    def tree_paths(self, requests: Sequence[Request], tokens: Sequence[list[int] | None]) -> dict[str, list[int]]:
+        """The accepted nodes of this step's tree requests (by request id), kept for `record_step` and `propose`."""
+        self._paths = {req.request_id: accepted_path(tree, req.spec_token_ids, new)
+                       for req, new in zip(requests, tokens, strict=True)
+                       if new is not None and req.spec_parents is not None and (tree := req.spec_tree) is not None}
+        self.num_tree_moves += sum(any(node != d for d, node in enumerate(path)) for path in self._paths.values())
+        return self._paths
+
+    def record_step(self, num_tokens: int, seconds: float, verified: Sequence[tuple[int, int]],
+                    request_ids: Sequence[str] = ()) -> None:
         """A step's target pass over `num_tokens` took `seconds`; `verified`: (drafted, accepted) per request whose
-        drafts it verified. What `SpeculationLength` chooses the next steps' draft lengths from."""
+        drafts it verified (`request_ids`: theirs, to find tree paths). What `SpeculationLength` chooses the next
+        steps' draft lengths from."""
         self.length.record_step(num_tokens, seconds)
-        for drafted, accepted in verified:
-            self.length.record_verified(drafted, accepted)
+        for j, (drafted, accepted) in enumerate(verified):
+            path = self._paths.get(request_ids[j]) if self._paths and j < len(request_ids) else None
+            self.length.record_verified(drafted, accepted, path)
 
     def length_stats(self) -> dict[str, float]:
         length = self.length
@@ -70,12 +85,21 @@ class SpecDecoder:
         k = self.length.choose(len(eligible), other_tokens) if eligible else 0
         if k == 0:
             eligible = []
+        token_ids, positions, hidden, aux = plan.input_ids, plan.positions, output.hidden_states, \
+            output.aux_hidden_states
+        if plan.trees:  # each tree request's accepted path first, at its RoPE positions: then it reads as a chain
+            order = self._kept_first(batch, plan)
+            token_ids, positions = token_ids[order], plan.rope_positions[order]
+            on_device = order.to(hidden.device if hidden is not None else "cpu")
+            hidden = hidden.index_select(0, on_device) if hidden is not None else None
+            aux = {layer: h.index_select(0, on_device.to(h.device)) for layer, h in aux.items()}
+        self._paths = {}
         inputs = SpeculatorInputs(
-            batch=list(batch), propose_for=eligible, num_speculative_tokens=max(k, 1), token_ids=plan.input_ids,
-            positions=plan.positions, query_start_loc=plan.query_start_loc, num_kept=num_kept,
+            batch=list(batch), propose_for=eligible, num_speculative_tokens=max(k, 1), token_ids=token_ids,
+            positions=positions, query_start_loc=plan.query_start_loc, num_kept=num_kept,
             num_accepted=num_accepted, num_drafts=[len(d) for d in plan.spec_token_ids],
-            hidden_states=output.hidden_states,
-            aux_hidden_states=output.aux_hidden_states, draft_kv_caches=self.draft_kv_caches, plan=plan,
+            hidden_states=hidden,
+            aux_hidden_states=aux, draft_kv_caches=self.draft_kv_caches, plan=plan,
             block_size=self.speculator.context.block_size)
         started = time.perf_counter()
         proposals = self.speculator.propose(inputs)
@@ -90,7 +114,42 @@ class SpecDecoder:
             room = self.max_model_len - req.num_tokens - 1
             if req.params.max_tokens is not None:
                 room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
+            parents = proposal.parents
+            if parents is not None and not is_chain(parents):
+                self._set_tree(req, proposal.token_ids, parents, k)
+                continue
             n = max(0, min(k, room, len(proposal.token_ids)))
             req.spec_token_ids = [int(t) for t in proposal.token_ids[:n]]
+            req.spec_parents = None
             if n and proposal.probs is not None:
                 self._probs[req.request_id] = proposal.probs[:n]
+
+    def _set_tree(self, req: Request, token_ids: Sequence[int], parents: Sequence[int], budget: int) -> None:
+        """Schedule a tree proposal: at most `budget` nodes (and what the context has slots for), none deeper than
+        the tokens the request may still generate (spec_tree.py)."""
+        if not self.speculator.drafts_trees:
+            raise ValueError(f"speculator {type(self.speculator).__name__} proposed a tree (Proposal.parents) "
+                             "without setting drafts_trees, so the attention backend was not checked for it")
+        n = max(0, min(budget, self.max_model_len - req.num_tokens - 1, len(token_ids)))
+        tokens, tree = [int(t) for t in token_ids[:n]], [int(p) for p in parents[:n]]
+        if req.params.max_tokens is not None:
+            deepest = req.params.max_tokens - len(req.output_token_ids) - 1
+            keep = [d <= deepest for d in depths(tree)]
+            if not all(keep):
+                tokens = [t for t, kept in zip(tokens, keep, strict=True) if kept]
+                tree = prune(tree, keep)
+        req.spec_token_ids = tokens
+        req.spec_parents = None if is_chain(tree) else tree
+
+    def _kept_first(self, batch: Sequence[Request], plan: StepPlan) -> torch.Tensor:
+        """[T] a row order in which each tree request's rows start with its root and accepted path."""
+        order = torch.arange(plan.num_tokens)
+        starts = plan.query_start_loc
+        for i, parents in plan.trees:
+            path = self._paths.get(batch[i].request_id)
+            if not path:
+                continue
+            kept = [0, *(1 + node for node in path)]
+            rest = [r for r in range(1 + len(parents)) if r not in set(kept)]
+            order[starts[i]:starts[i] + 1 + len(parents)] = starts[i] + torch.tensor(kept + rest)
+        return order

@@ -13,6 +13,13 @@ this wrong both ways, on other hardware, models or workloads, so the choice is m
   the largest one measured, as if cost grew in proportion: pessimistic, so untested widths are not bet on);
 * the speculator's own time per step for each k (a draft model's cost grows with k; prompt lookup costs ~0).
 
+For tree drafts (spec_tree.py; `tree=True`) k is the node budget: a step verifies 1 + k tokens per request, as
+a chain of k does, so the cost side is the same; the gain is measured per budget position instead: speculators
+order their nodes best first (any prefix is a tree), so a request whose accepted path went through nodes
+i_1 < i_2 < ... would, with a budget of k, have kept the path's nodes below k. `g_j`, how often node j - 1 was on
+the accepted path (among requests given at least j nodes), gives `E(k) = 1 + sum_{j<=k} g_j` (for a chain this is
+the formula above).
+
 It then picks `argmax_k B * E(k) / (T(other + B * (k + 1)) + D(k))` for B decoding requests. Measurements decay
 (the load changes), and a step now and then drafts the full k, so that acceptance and the cost of wide passes
 stay measured even while they do not pay.
@@ -83,14 +90,17 @@ class StepCost:
 class SpeculationLength:
     """Chooses each step's number of drafts per request (0..max_k) and keeps the figures metrics report."""
 
-    def __init__(self, max_k: int, *, adaptive: bool = True) -> None:
+    def __init__(self, max_k: int, *, adaptive: bool = True, tree: bool = False) -> None:
         self.max_k = max_k
         self.adaptive = adaptive
+        self.tree = tree
         self.cost = StepCost()
         self._draft_time = [_Average() for _ in range(max_k + 1)]
         # Acceptance per draft position, starting from an even prior (one accepted of two reached).
         self._reached = [2.0] * (max_k + 1)
         self._accepted = [1.0] * (max_k + 1)
+        if tree:  # marginals (see the module docstring), from the same prior: prod_{i<=j} 1/2
+            self._accepted = [2.0 * 0.5 ** j for j in range(max_k + 1)]
         self._steps = 0
         self.k = max_k  # the last choice
         self.num_verified = 0  # requests whose drafts were verified
@@ -108,13 +118,20 @@ class SpeculationLength:
         if 0 < k <= self.max_k and math.isfinite(seconds) and seconds >= 0:
             self._draft_time[k].add(seconds)
 
-    def record_verified(self, num_drafted: int, num_accepted: int) -> None:
-        """One request's drafts were verified: `num_accepted` of its `num_drafted` were kept."""
+    def record_verified(self, num_drafted: int, num_accepted: int, path: list[int] | None = None) -> None:
+        """One request's drafts were verified: `num_accepted` of its `num_drafted` were kept (`path`: the accepted
+        nodes of a tree, None for a chain: its first `num_accepted`)."""
         if num_drafted <= 0:
             return
         self.num_verified += 1
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
+        if self.tree:
+            on_path = set(range(num_accepted) if path is None else path)
+            for j in range(1, min(num_drafted, self.max_k) + 1):
+                self._reached[j] = self._reached[j] * ACCEPTANCE_DECAY + 1.0
+                self._accepted[j] = self._accepted[j] * ACCEPTANCE_DECAY + (1.0 if j - 1 in on_path else 0.0)
+            return
         for j in range(1, min(num_drafted, self.max_k) + 1):
             if j > num_accepted + 1:
                 break  # never reached: an earlier draft was rejected
@@ -126,6 +143,8 @@ class SpeculationLength:
     def expected_tokens(self, k: int) -> float:
         """Tokens one request is expected to get from a step with `k` drafts (1 with none)."""
         expected, survive = 1.0, 1.0
+        if self.tree:
+            return expected + sum(self._accepted[j] / self._reached[j] for j in range(1, k + 1))
         for j in range(1, k + 1):
             survive *= self._accepted[j] / self._reached[j]
             expected += survive

@@ -28,6 +28,7 @@ import torch
 
 from ember_platform.engine.attention import AttentionMetadata, KVCache
 from ember_platform.engine.request import Request
+from ember_platform.engine.spec_tree import check_tree, is_chain
 
 if TYPE_CHECKING:
     from ember_platform.engine.step_plan import StepPlan
@@ -36,15 +37,25 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class Proposal:
     """Draft tokens for one request; `probs` [k, V] is the draft distribution each token was drawn from, or None
-    when the proposer is deterministic (then it is the point mass on each token)."""
+    when the proposer is deterministic (then it is the point mass on each token).
+
+    `parents` makes the drafts a tree (spec_tree.py): for each node the index of its parent node, -1 for the
+    request's newest token, nodes in topological order. None (or `[-1, 0, 1, ...]`) is a chain. Trees must be
+    deterministic (`probs` None) and need a speculator that sets `drafts_trees` and an attention backend with
+    `supports_tree_attention`."""
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    parents: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.probs is not None and (self.probs.dim() != 2 or self.probs.shape[0] < len(self.token_ids)):
             raise ValueError(f"Proposal.probs must be [k, V] with k >= {len(self.token_ids)} drafts, got "
                              f"{tuple(self.probs.shape)}")
+        if self.parents is not None:
+            check_tree(self.parents, len(self.token_ids))
+            if self.probs is not None and not is_chain(self.parents):
+                raise ValueError("Proposal: tree drafts (parents) must be deterministic (probs None)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +153,9 @@ class Speculator(ABC):
     """
 
     uses_hidden_states: ClassVar[bool] = False  # the final hidden state of every scheduled token
+    # Proposes trees (`Proposal.parents`); the engine then requires an attention backend that supports tree
+    # attention. An instance may set it from its options (Medusa: `tree`).
+    drafts_trees: bool = False
 
     def __init__(self, options: Mapping[str, Any], context: SpeculatorContext) -> None:
         self.options = dict(options)

@@ -37,6 +37,11 @@ class StepPlan:
     # (batch index, first position, count): prompt positions whose logits give the next prompt token's logprob
     # (params.prompt_logprobs); their rows follow every sampled row in `sample_rows`, in this order.
     prompt_logprob_rows: list[tuple[int, int, int]] = field(default_factory=list)
+    # Tree drafts (spec_tree.py): (batch index, parents of its scheduled drafts) for requests whose drafts form a
+    # tree; their drafts keep sequence positions (`positions`: their KV slots) root + 1 + i, while the model computes
+    # them at `rope_positions` (root + depth). Both empty / None when no request of the step has a tree.
+    trees: list[tuple[int, list[int]]] = field(default_factory=list)
+    rope_positions: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +73,7 @@ class StepPlan:
         num_sample_rows: list[int] = []
         prompt_rows: list[int] = []
         prompt_logprob_rows: list[tuple[int, int, int]] = []
+        trees: list[tuple[int, list[int], int]] = []  # (batch index, parents, row of its root)
         for i, (req, n) in enumerate(zip(requests, num_tokens, strict=True)):
             start = req.num_computed_tokens
             offset = len(input_ids)
@@ -80,6 +86,8 @@ class StepPlan:
                 input_ids += req.output_token_ids[max(start, prompt) - prompt:min(end, known) - prompt]
             if end > known:
                 input_ids += req.spec_token_ids[:end - known]
+                if req.spec_parents is not None and (tree := req.spec_tree) is not None:
+                    trees.append((i, tree[:end - known], offset + known - 1 - start))
             starts.append(start)
             if req.prompt_logprobs and start < prompt - 1:
                 last = min(end, prompt - 1)  # position prompt - 1 predicts the first output token: sampled
@@ -96,6 +104,15 @@ class StepPlan:
         # positions: start_i + (t - offset_i) for each token t of request i, without a Python loop per token.
         offsets = torch.cumsum(lens, 0) - lens
         shift = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long) - offsets, lens, output_size=total)
+        positions = torch.arange(total, dtype=torch.long) + shift
+        rope_positions = None
+        if trees:
+            from ember_platform.engine.spec_tree import depths
+
+            rope_positions = positions.clone()
+            for _, parents, root_row in trees:
+                rope_positions[root_row + 1:root_row + 1 + len(parents)] = \
+                    positions[root_row] + torch.tensor(depths(parents), dtype=torch.long)
         if block_tables is not None:
             tables = block_tables.rows(requests)
         else:
@@ -106,7 +123,7 @@ class StepPlan:
         return cls(
             request_ids=[r.request_id for r in requests],
             input_ids=torch.tensor(input_ids, dtype=torch.long),
-            positions=torch.arange(total, dtype=torch.long) + shift,
+            positions=positions,
             query_lens=query_lens,
             seq_lens=[s + n for s, n in zip(starts, query_lens, strict=True)],
             block_tables=tables,
@@ -118,6 +135,8 @@ class StepPlan:
             return_hidden_states=return_hidden_states,
             aux_layers=tuple(aux_layers),
             prompt_logprob_rows=prompt_logprob_rows,
+            trees=[(i, parents) for i, parents, _ in trees],
+            rope_positions=rope_positions,
         )
 
 

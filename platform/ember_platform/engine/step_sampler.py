@@ -14,6 +14,7 @@ import torch
 from ember_platform.engine.rejection import rejection_sample
 from ember_platform.engine.request import Request
 from ember_platform.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
+from ember_platform.engine.spec_tree import tree_rejection_sample, verify_greedy_tree
 from ember_platform.engine.speculation import verify_greedy
 from ember_platform.engine.text.detokenizer import IncrementalDetokenizer
 from ember_platform.engine.text.stop import StopStringMatcher
@@ -67,6 +68,8 @@ class StepSampler:
     def _sample_rows(self, reqs: Sequence[Request], num_rows: Sequence[int], logits: torch.Tensor,
                      draft_probs: Sequence[torch.Tensor | None]) -> list[list[int]]:
         drafts = [list(r.spec_token_ids) for r in reqs]
+        trees = [r.spec_tree if r.spec_parents is not None else None for r in reqs]  # None: a chain (spec_tree.py)
+        any_tree = any(t is not None for t in trees)
         states = [self.state_of(r.request_id) for r in reqs]
         params = [r.params for r in reqs]
         needs_history = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params)
@@ -78,6 +81,7 @@ class StepSampler:
             output_ids=[r.output_token_ids for r in reqs] if needs_history else None,
             suppressed_ids=suppressed if any(suppressed) else None,
             draft_ids=drafts if any(drafts) else None,
+            draft_parents=trees if any_tree else None,
         )
         out = self.sampler.sample(logits, batch)
         token_rows = out.token_ids.tolist()
@@ -91,16 +95,27 @@ class StepSampler:
                 results.append([token_rows[row]])
                 if logprob_rows is not None and logprob_rows[row] is not None:
                     new_logprobs.append((states[i], logprob_rows[row]))
+            elif trees[i] is not None:
+                results.append(verify_greedy_tree(token_rows[row:row + num_rows[i]], drafts[i], trees[i]))
             else:
                 results.append(verify_greedy(token_rows[row:row + num_rows[i]], drafts[i]))
         # Sampled drafts are verified by rejection, all requests at once: the output keeps the target's distribution.
-        rejected = [i for i, r in enumerate(reqs) if drafts[i] and not r.params.greedy]
+        rejected = [i for i, r in enumerate(reqs) if drafts[i] and not r.params.greedy and trees[i] is None]
+        rejected_trees = [i for i, r in enumerate(reqs) if drafts[i] and not r.params.greedy and trees[i] is not None]
+        probs = self.sampler.probs(logits, batch) if rejected or rejected_trees else None
         if rejected:
-            verified = rejection_sample(self.sampler.probs(logits, batch), [starts[i] for i in rejected],
+            verified = rejection_sample(probs, [starts[i] for i in rejected],
                                         [drafts[i] for i in rejected], [draft_probs[i] for i in rejected],
                                         [states[i].generator for i in rejected],
                                         self.sampler.shared_generator(logits.device))
             for i, tokens in zip(rejected, verified, strict=True):
+                results[i] = tokens
+        if rejected_trees:
+            verified = tree_rejection_sample(probs, [starts[i] for i in rejected_trees],
+                                             [drafts[i] for i in rejected_trees], [trees[i] for i in rejected_trees],
+                                             [states[i].generator for i in rejected_trees],
+                                             self.sampler.shared_generator(logits.device))
+            for i, tokens in zip(rejected_trees, verified, strict=True):
                 results[i] = tokens
         # Recorded only now: when this raises part-way, the requests are sampled again one by one (see sample).
         for state, logprobs in new_logprobs:

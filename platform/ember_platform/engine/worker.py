@@ -209,6 +209,11 @@ class Worker:
         assert self.runner is not None, "init_kv_cache() first"
         return self.runner.execute(plan)
 
+    def move_kv(self, src: list[int], dst: list[int]) -> None:
+        """Copy the KV cache's slots `src` to `dst` (spec_tree.py: an accepted tree path made consecutive)."""
+        assert self.runner is not None, "init_kv_cache() first"
+        self.runner.move_kv(src, dst)
+
     # --- sleep ------------------------------------------------------------------------------
 
     def sleep(self) -> None:

@@ -146,6 +146,7 @@ class TorchPagedAttention:
     """
 
     name = "torch"
+    supports_tree_attention: ClassVar[bool] = True  # meta.tree_masks: honoured by both paths (torch ops, not native)
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "int8", "fp8")
     block_sizes: ClassVar[tuple[int, ...] | None] = None  # any power of two the manifest allows
 
@@ -264,6 +265,7 @@ class TorchPagedAttention:
         buffers (None: fresh tensors, for a plan built outside the builder)."""
         host = host or _Buffers("cpu")
         dev = dev or (host if device.type == "cpu" else _Buffers(device))
+        native = native and not meta.tree_masks  # the native kernel masks by position only: trees take torch ops
         limit = self.max_batched_query_len
         if meta.max_query_len <= limit:  # every request short (every decode step): no split to compute
             if not meta.num_reqs:
@@ -327,6 +329,8 @@ class TorchPagedAttention:
             torch.gt(key_pos[:, None, :], entry_q, out=hidden)
             if self.sliding_window is not None:
                 hidden |= key_pos[:, None, :] <= entry_q - self.sliding_window
+            if meta.tree_masks:
+                _hide_off_tree(hidden, meta.tree_masks, rows, q_list, seq_list, entry_starts, counts, key_pos)
             plan.hidden = dev.put("hidden", hidden)
         if rows is None and uniform:
             return plan
@@ -353,6 +357,11 @@ class TorchPagedAttention:
             mask = key_pos[None, :] <= query_pos[:, None]
             if self.sliding_window is not None:
                 mask &= key_pos[None, :] > query_pos[:, None] - self.sliding_window
+        tree = meta.tree_masks.get(i)
+        if tree is not None:  # within the query run: each draft node sees itself and its ancestors only
+            if mask is None:
+                mask = torch.ones(q_len, num_keys, dtype=torch.bool, device=device).tril_(num_keys - q_len)
+            mask[:, num_keys - q_len:] &= tree.to(device)
         return _LongRequest(token_start, token_start + q_len, i, first_block, -(-seq_len // block_size),
                             num_keys, mask)
 
@@ -426,6 +435,23 @@ class TorchPagedAttention:
         )  # [1, H, q_len, D]
         return out[0].transpose(0, 1)
 
+
+
+def _hide_off_tree(hidden: torch.Tensor, tree_masks: dict[int, torch.Tensor], rows: list[int] | None,
+                   q_list: list[int], seq_list: list[int], entry_starts: torch.Tensor, counts: torch.Tensor,
+                   key_pos: torch.Tensor) -> None:
+    """Hide, for each tree request of the short path, the keys of its query run that are not an ancestor of (or)
+    the query: hidden [NB, Q, bs] (host), one request's entries at a time (a tree step has few)."""
+    for r, batch_index in enumerate(range(len(q_list)) if rows is None else rows):
+        tree = tree_masks.get(batch_index)
+        if tree is None:
+            continue
+        q_len = q_list[r]
+        first, n = int(entry_starts[r]), int(counts[r])
+        rel = key_pos[first:first + n] - (seq_list[r] - q_len)  # [n, bs] offset of each key in the query run
+        in_run = (rel >= 0) & (rel < q_len)
+        off_tree = ~tree[:, rel.clamp(0, q_len - 1)]  # [q_len, n, bs]
+        hidden[first:first + n, :q_len] |= in_run[:, None, :] & off_tree.transpose(0, 1)
 
 
 def _first_tokens(meta: AttentionMetadata, rows: list[int] | None) -> list[int]:
