@@ -10,5 +10,6 @@ def ember_speculators(register) -> None:
              options=("min_ngram", "max_ngram", "adaptive"))
     register("medusa", "ember_plugins.speculators.medusa:MedusaSpeculator",
              summary="Medusa heads on the target's last hidden state draft k tokens at once through its LM head "
-                     "(chain verification); the heads come from [speculator] model",
-             options=("model",))
+                     "(chain verification, or a top-k-per-head tree with options.tree); the heads come from "
+                     "[speculator] model",
+             options=("model", "tree"))

@@ -8,13 +8,22 @@ matmuls plus k LM-head projections of one row per request.
 The heads come from the package's `[speculator] model` directory (`config.json` + `medusa.safetensors`, made for
 the example by `examples/train_medusa.py`). Drafts are the heads' top-1 tokens, verified as a chain (the engine's
 greedy check or rejection sampling, which keeps the target's distribution exactly: the drafts are deterministic,
-so their proposal is the point mass). Tree verification (top-k per head) is not implemented yet.
+so their proposal is the point mass).
+
+Option `tree` (`[speculator] options = {tree = [3, 2, 1]}`): tree drafts verified in one pass with a tree
+attention mask (the engine's spec_tree.py): the top-3 tokens of head 1, under each the top-2 of head 2, under each
+of those the top-1 of head 3 (3 + 6 + 6 = 15 nodes); `len(tree)` heads are used. `num_speculative_tokens` is then
+the node budget (at most that many nodes per step, so a step schedules 1 + budget tokens per request, as a chain of
+that length would): each step's nodes are the tree's best by the heads' joint probability (the product of each
+head's probability down the path, which never grows down a path, so the best nodes form a tree), best first, so
+the adaptive length's smaller budgets keep the most promising nodes. It may not exceed the tree's node count.
+Drafts never go deeper than the tokens a request may still generate (`max_tokens`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,17 +70,72 @@ def _read_config(context: SpeculatorContext) -> dict[str, Any]:
     return config
 
 
+def _read_tree(value: Any, num_heads: int, budget: int) -> tuple[int, ...] | None:
+    """The `tree` option: top-k per head, validated."""
+    if value is None:
+        return None
+    if (not isinstance(value, (list, tuple)) or not value
+            or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in value)):
+        raise ValueError(f"speculator.options.tree must be a non-empty list of positive integers (the top-k tokens "
+                         f"of each head, e.g. [3, 2, 1]), got {value!r}")
+    if len(value) > num_heads:
+        raise ValueError(f"speculator.options.tree: {list(value)} needs {len(value)} Medusa heads; the heads' "
+                         f"directory has {num_heads}")
+    nodes = sum(_prefix_products(value))
+    if nodes > 1024:
+        raise ValueError(f"speculator.options.tree: {list(value)} has {nodes} nodes; at most 1024 are supported")
+    if budget > nodes:
+        raise ValueError(f"speculator.num_speculative_tokens: {budget} is the node budget of the tree "
+                         f"(speculator.options.tree = {list(value)}), which has only {nodes} nodes")
+    return tuple(int(k) for k in value)
+
+
+def _prefix_products(tree: Sequence[int]) -> list[int]:
+    out, n = [], 1
+    for k in tree:
+        n *= k
+        out.append(n)
+    return out
+
+
+class _TreeTemplate:
+    """Every node of a top-k-per-head tree as its path of ranks, shallowest first (parents before children)."""
+
+    def __init__(self, tree: Sequence[int], device: torch.device) -> None:
+        paths: list[tuple[int, ...]] = [()]
+        nodes: list[tuple[int, ...]] = []
+        for k in tree:
+            paths = [(*p, r) for p in paths for r in range(k)]
+            nodes += paths
+        self.depth = len(tree)
+        self.width = max(tree)
+        index = {p: i for i, p in enumerate(nodes)}
+        self.parents = [index[p[:-1]] if len(p) > 1 else -1 for p in nodes]
+        # Column of each (node, depth) in the heads' top-k values flattened [depth * width]; past a node's depth,
+        # a column of zeros (the last one) so that summing over depth gives the node's path score.
+        pad = self.depth * self.width
+        self.columns = torch.tensor([[d * self.width + r for d, r in enumerate(p)] + [pad] * (self.depth - len(p))
+                                     for p in nodes], dtype=torch.long, device=device)  # [N, depth]
+        self.last = torch.tensor([(len(p) - 1) * self.width + p[-1] for p in nodes], dtype=torch.long,
+                                 device=device)  # [N]
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+
 class MedusaSpeculator(Speculator):
-    """Takes no options yet (a `tree` of top-k drafts per head is refused, as any option is, until tree
-    verification lands)."""
+    """Option `tree` (module docstring): top-k tokens per head as a tree of drafts; without it, a chain of top-1s."""
 
     uses_hidden_states = True
 
     def __init__(self, options: Mapping[str, Any], context: SpeculatorContext) -> None:
-        super().__init__(options, context)  # it reads no [speculator] options: Ember refuses any that are set
+        super().__init__(options, context)
         config = _read_config(context)
         self.num_heads = int(config["num_heads"])
-        if context.num_speculative_tokens > self.num_heads:
+        self.tree = _read_tree(self.options.get("tree"), self.num_heads, context.num_speculative_tokens)
+        self.drafts_trees = self.tree is not None
+        self.template = _TreeTemplate(self.tree, context.device) if self.tree is not None else None
+        if self.tree is None and context.num_speculative_tokens > self.num_heads:
             raise ValueError(f"speculator.num_speculative_tokens: {context.num_speculative_tokens} drafts need as "
                              f"many Medusa heads; {context.model_dir} has {self.num_heads}")
         target = context.target_model
@@ -98,8 +162,31 @@ class MedusaSpeculator(Speculator):
             return []
         if inputs.hidden_states is None:
             raise ValueError("medusa needs the target's hidden states, and the step carries none")
-        k = min(inputs.num_speculative_tokens, self.num_heads)
         newest = inputs.hidden_states[inputs.last_rows()]  # [n, D]: each request's newest kept position
+        if self.template is not None:
+            return self._propose_tree(newest, inputs.num_speculative_tokens)
+        k = min(inputs.num_speculative_tokens, self.num_heads)
         # The row's own prediction is the token the target just sampled; head i guesses the one i + 1 after it.
         drafts = self.lm_head(self.heads(newest, k).reshape(-1, newest.shape[-1])).argmax(-1).view(k, -1)
         return [Proposal(column) for column in drafts.t().tolist()]
+
+    def _propose_tree(self, newest: torch.Tensor, budget: int) -> list[Proposal | None]:
+        """The best `budget` nodes of the tree for each request (module docstring), best first."""
+        template = self.template
+        assert template is not None and self.tree is not None
+        n, depth, width = newest.shape[0], template.depth, template.width
+        logits = self.lm_head(self.heads(newest, depth).reshape(-1, newest.shape[-1])).view(depth, n, -1)
+        top = logits.float().log_softmax(-1).topk(width, dim=-1)  # [depth, n, width] log-probs and ids
+        values = torch.cat([top.values.permute(1, 0, 2).reshape(n, -1), top.values.new_zeros(n, 1)], dim=1)
+        ids = top.indices.permute(1, 0, 2).reshape(n, -1)
+        scores = values[:, template.columns].sum(-1)  # [n, N]: each node's path log-probability
+        budget = min(budget, len(template))
+        # Stable: a child never scores above its parent, and ties keep the shallower (earlier) node first.
+        chosen = scores.sort(dim=1, descending=True, stable=True).indices[:, :budget]  # [n, budget]
+        tokens = ids[:, template.last].gather(1, chosen).tolist()
+        proposals: list[Proposal | None] = []
+        for nodes, toks in zip(chosen.tolist(), tokens, strict=True):
+            where = {node: i for i, node in enumerate(nodes)}
+            parents = [where[p] if p >= 0 else -1 for p in (template.parents[node] for node in nodes)]
+            proposals.append(Proposal(toks, parents=parents))
+        return proposals
