@@ -13,13 +13,17 @@ adaptively (the engine default: drafts only where measured acceptance and step c
 batch a method should fall back to ~1.0x rather than below it; greedy outputs are compared with "none".
 
 Methods and where their weights come from: `ngram` (none needed), `medusa` (examples/tiny-llama/speculator/medusa,
-made by examples/train_medusa.py). A method whose weights are missing is reported as skipped.
+made by examples/train_medusa.py). A method whose weights are missing is reported as skipped. `medusa-tree` is
+medusa with `options.tree` (--tree, default 3,2,1: top-3 of head 1, top-2 of head 2 under each, top-1 of head 3)
+verified as a tree, with the tree's node count as its node budget (num_speculative_tokens); it is also reported
+against chain medusa.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sysconfig
 import time
 from pathlib import Path
@@ -27,7 +31,8 @@ from typing import Any
 
 from common import emit, environment, greedy, interleaved, median, parse_args, print_table, run_engine
 
-HEAD_DIRS = {"medusa": "speculator/medusa"}
+HEAD_DIRS = {"medusa": "speculator/medusa", "medusa-tree": "speculator/medusa"}
+VARIANTS = {"medusa-tree": "medusa"}  # bench name -> speculator it runs (with its own options, below)
 TARGETS_BATCH_1 = {"medusa": 1.5, "ngram": 1.5}
 TARGET_LARGE_BATCH = 0.95
 
@@ -38,6 +43,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens (default 3)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 256, --quick 128)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 128, --quick 48)")
+    parser.add_argument("--tree", default="3,2,1", help="medusa-tree's top-k per head (default: %(default)s)")
 
 
 def held_out_prompts(tokenizer: Any, model: Path, prompt_len: int) -> list[list[int]]:
@@ -67,8 +73,12 @@ def main() -> None:
     engines: dict[str, Any] = {"none": LLM(args.model, max_num_seqs=max(batches)).engine}
     skipped: dict[str, str] = {}
     for method in args.methods.split(","):
-        overrides: dict[str, Any] = {"speculator": method, "num_speculative_tokens": args.k,
+        overrides: dict[str, Any] = {"speculator": VARIANTS.get(method, method), "num_speculative_tokens": args.k,
                                      "speculator_max_batch_size": max(batches), "max_num_seqs": max(batches)}
+        if method == "medusa-tree":
+            tree = [int(k) for k in args.tree.split(",")]
+            overrides["speculator_options"] = {"tree": tree}
+            overrides["num_speculative_tokens"] = sum(math.prod(tree[:d + 1]) for d in range(len(tree)))
         if method in HEAD_DIRS:
             if not (args.model / HEAD_DIRS[method]).is_dir():
                 skipped[method] = f"no {HEAD_DIRS[method]} in {args.model}"
@@ -85,6 +95,7 @@ def main() -> None:
         as many requests as the batch holds (a closed batch would be timed by its slowest request, the one drafts
         help least)."""
         drafts, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
+        verified = engine.spec.length.num_verified if engine.spec is not None else 0
         queue = [prompts[i % len(prompts)] for i in range(len(prompts) if size == 1 else 3 * size)]
         if size == 1:
             timings = [run_engine(engine, [prompt], params)[0] for prompt in queue]
@@ -96,6 +107,7 @@ def main() -> None:
             tokens, seconds, ids, steps = stream(engine, queue, size)
         return {"rate": tokens / seconds, "tokens_per_step": tokens / steps,
                 "drafts": engine.num_draft_tokens - drafts, "accepted": engine.num_accepted_tokens - accepted,
+                "verified": (engine.spec.length.num_verified if engine.spec is not None else 0) - verified,
                 "token_ids": ids}
 
     def stream(engine: Any, queue: list[list[int]], size: int) -> tuple[int, float, list[list[int]], int]:
@@ -137,17 +149,22 @@ def main() -> None:
             drafts = sum(r["drafts"] for r in results)
             accepted = sum(r["accepted"] for r in results)
             same = results[0]["token_ids"] == runs["none"][0]["token_ids"]
+            verified = sum(r["verified"] for r in results)
             entry = {"tok_s": round(rate, 1), "ratio": round(rate / base, 3),
                      "tokens_per_step": round(median(r["tokens_per_step"] for r in results), 3),
-                     "acceptance": round(accepted / drafts, 4) if drafts else None, "identical": same}
+                     "acceptance": round(accepted / drafts, 4) if drafts else None, "identical": same,
+                     # tokens per step of the request-steps that verified drafts: accepted drafts + the target's own
+                     "mean_accepted_length": round(1 + accepted / verified, 3) if verified else None}
             record[f"{name}@{size}"] = entry
             rows.append([size, name, f"{rate:.1f}", f"{entry['ratio']:.2f}x", f"{entry['tokens_per_step']:.2f}",
-                         "-" if entry["acceptance"] is None else f"{100 * entry['acceptance']:.0f}%", str(same)])
+                         "-" if entry["acceptance"] is None else f"{100 * entry['acceptance']:.0f}%",
+                         "-" if entry["mean_accepted_length"] is None else f"{entry['mean_accepted_length']:.2f}",
+                         str(same)])
 
     print(f"model {args.model}, {args.threads} threads; {len(prompts)} held-out prompts of {prompt_len} tokens, "
           f"{max_tokens} greedy tokens each; k = {args.k} (adaptive); {args.repeats} interleaved repeats\n")
-    print_table(["batch", "method", "decode tok/s", "vs none", "tokens/step", "acceptance", "greedy identical"],
-                rows)
+    print_table(["batch", "method", "decode tok/s", "vs none", "tokens/step", "acceptance", "accepted len",
+                 "greedy identical"], rows)
     for method, why in skipped.items():
         print(f"{method}: skipped ({why})")
     verdicts = []
@@ -161,6 +178,12 @@ def main() -> None:
         for size in large:
             ok = record[f"{method}@{size}"]["ratio"] >= TARGET_LARGE_BATCH
             verdicts.append(f"{method} batch {size} >= {TARGET_LARGE_BATCH}x: {'met' if ok else 'MISSED'}")
+    for size in batches:  # a tree against the chain of the same heads
+        tree, chain = record.get(f"medusa-tree@{size}"), record.get(f"medusa@{size}")
+        if tree and chain:
+            tree["vs_chain"] = round(tree["tok_s"] / chain["tok_s"], 3) if chain["tok_s"] else None
+            verdicts.append(f"medusa-tree vs medusa at batch {size}: {tree['vs_chain']}x decode tok/s, mean accepted "
+                            f"length {tree['mean_accepted_length']} vs {chain['mean_accepted_length']}")
     print("\n" + "\n".join(verdicts))
     emit("speculators", {"results": record, "skipped": skipped, "k": args.k, "prompt_len": prompt_len,
                          "max_tokens": max_tokens, **environment(args)})

@@ -166,3 +166,22 @@ def test_a_detected_bug_would_fail_the_test() -> None:
     first = torch.where(u[:, 0] < p[0], 0, torch.where(u[:, 1] < p[1], 1, torch.multinomial(
         torch.tensor([0, 0, 0.1, 0.05, 0.05, 0.0]) / 0.2, num, replacement=True, generator=g)))
     assert _chi2_pvalue(torch.bincount(first, minlength=vocab).float(), p) < 1e-6
+
+
+def test_speculation_length_counts_a_tree_budget_by_the_nodes_on_the_accepted_path() -> None:
+    from ember_platform.engine.spec_length import SpeculationLength
+
+    length = SpeculationLength(6, tree=True)
+    for _ in range(3000):  # every step accepts nodes 1 and 3 (the second branch) of 6
+        length.record_verified(6, 2, path=[1, 3])
+    # A budget of 1 keeps node 0 only (never accepted); 2 adds node 1; 4 adds node 3; more adds nothing.
+    assert length.expected_tokens(1) == pytest.approx(1.0, abs=0.01)
+    assert length.expected_tokens(2) == pytest.approx(2.0, abs=0.01)
+    assert length.expected_tokens(3) == pytest.approx(2.0, abs=0.01)
+    assert length.expected_tokens(6) == pytest.approx(3.0, abs=0.01)
+    assert length.mean_accepted_length == pytest.approx(3.0)
+    chain = SpeculationLength(6, tree=True)  # a chain is the tree whose path is its first nodes
+    for _ in range(3000):
+        chain.record_verified(6, 2)
+    assert chain.expected_tokens(1) == pytest.approx(2.0, abs=0.01)
+    assert chain.expected_tokens(6) == pytest.approx(3.0, abs=0.01)
