@@ -97,7 +97,10 @@ class SpeculatorInputs:
     batch: request i owns rows `query_start_loc[i]` .. `query_start_loc[i] + num_kept[i]` that stay in its
     sequence (its rejected drafts, computed but dropped, come after those and are not part of it). `token_ids` and
     `positions` are the step plan's (on the host); hidden states, filled only when the speculator asked for them,
-    are on the target's device.
+    are on the target's device. After a step that verified a tree (spec_tree.py), each tree request's rows are
+    reordered: its newest token, its accepted path, then its other nodes, with `positions` the ones the model
+    computed them at (root + depth), so its kept rows read as a chain's (and its KV was moved to match); `plan` is
+    the step as run (node order).
     """
 
     batch: list[Request]  # every request of the step, in batch order (their new tokens already appended)

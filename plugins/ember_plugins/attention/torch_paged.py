@@ -330,7 +330,8 @@ class TorchPagedAttention:
             if self.sliding_window is not None:
                 hidden |= key_pos[:, None, :] <= entry_q - self.sliding_window
             if meta.tree_masks:
-                _hide_off_tree(hidden, meta.tree_masks, rows, q_list, seq_list, entry_starts, counts, key_pos)
+                _hide_off_tree(hidden, meta.tree_masks, rows, q_list, seq_list, entry_starts, counts, key_pos,
+                               self.sliding_window)
             plan.hidden = dev.put("hidden", hidden)
         if rows is None and uniform:
             return plan
@@ -359,8 +360,12 @@ class TorchPagedAttention:
                 mask &= key_pos[None, :] > query_pos[:, None] - self.sliding_window
         tree = meta.tree_masks.get(i)
         if tree is not None:  # within the query run: each draft node sees itself and its ancestors only
-            if mask is None:
-                mask = torch.ones(q_len, num_keys, dtype=torch.bool, device=device).tril_(num_keys - q_len)
+            key_pos = first_block * block_size + torch.arange(num_keys, device=device)
+            query_pos = seq_len - q_len + torch.arange(q_len, device=device)
+            mask = key_pos[None, :] <= query_pos[:, None]
+            if self.sliding_window is not None:  # the window counts from the node's position, root + depth
+                rope_pos = seq_len - q_len + tree.sum(1).to(device) - 1
+                mask &= key_pos[None, :] > rope_pos[:, None] - self.sliding_window
             mask[:, num_keys - q_len:] &= tree.to(device)
         return _LongRequest(token_start, token_start + q_len, i, first_block, -(-seq_len // block_size),
                             num_keys, mask)
@@ -439,9 +444,10 @@ class TorchPagedAttention:
 
 def _hide_off_tree(hidden: torch.Tensor, tree_masks: dict[int, torch.Tensor], rows: list[int] | None,
                    q_list: list[int], seq_list: list[int], entry_starts: torch.Tensor, counts: torch.Tensor,
-                   key_pos: torch.Tensor) -> None:
+                   key_pos: torch.Tensor, window: int | None) -> None:
     """Hide, for each tree request of the short path, the keys of its query run that are not an ancestor of (or)
-    the query: hidden [NB, Q, bs] (host), one request's entries at a time (a tree step has few)."""
+    the query: hidden [NB, Q, bs] (host), one request's entries at a time (a tree step has few). With a sliding
+    window, a node's window counts from its own position (root + depth), not its slot's."""
     for r, batch_index in enumerate(range(len(q_list)) if rows is None else rows):
         tree = tree_masks.get(batch_index)
         if tree is None:
@@ -451,7 +457,15 @@ def _hide_off_tree(hidden: torch.Tensor, tree_masks: dict[int, torch.Tensor], ro
         rel = key_pos[first:first + n] - (seq_list[r] - q_len)  # [n, bs] offset of each key in the query run
         in_run = (rel >= 0) & (rel < q_len)
         off_tree = ~tree[:, rel.clamp(0, q_len - 1)]  # [q_len, n, bs]
-        hidden[first:first + n, :q_len] |= in_run[:, None, :] & off_tree.transpose(0, 1)
+        hide = in_run[:, None, :] & off_tree.transpose(0, 1)
+        if window is not None:
+            keys = key_pos[first:first + n, None, :]
+            rope_pos = seq_list[r] - q_len + tree.sum(1) - 1  # [q_len]
+            hide |= keys > (seq_list[r] - q_len + torch.arange(q_len))[None, :, None]  # causal, by slot
+            hide |= keys <= (rope_pos - window)[None, :, None]
+            hidden[first:first + n, :q_len] = hide
+        else:
+            hidden[first:first + n, :q_len] |= hide
 
 
 def _first_tokens(meta: AttentionMetadata, rows: list[int] | None) -> list[int]:

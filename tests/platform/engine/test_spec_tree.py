@@ -41,12 +41,13 @@ def _cache(num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("max_batched_query_len", [8, 1])  # the batched path, and SDPA for long runs
-@pytest.mark.parametrize("native", [None, False])
-def test_tree_attention_equals_each_path_as_a_chain(max_batched_query_len: int, native: bool | None) -> None:
+@pytest.mark.parametrize(("native", "window"), [(None, None), (False, None), (False, 6), (None, 11)])
+def test_tree_attention_equals_each_path_as_a_chain(max_batched_query_len: int, native: bool | None,
+                                                    window: int | None) -> None:
     g = torch.Generator().manual_seed(0)
     ctx = 13  # cached context of the tree request (its root is position ctx)
     n = len(TREE)
-    backend = TorchPagedAttention(max_batched_query_len=max_batched_query_len, native=native)
+    backend = TorchPagedAttention(max_batched_query_len=max_batched_query_len, native=native, sliding_window=window)
     cache = _cache(16)
     table = [3, 7, 1]  # 24 slots for the tree request (13 context + root + 6 nodes)
     other_table = [5, 9]
@@ -71,11 +72,12 @@ def test_tree_attention_equals_each_path_as_a_chain(max_batched_query_len: int, 
         rows = [0] + [1 + i for i in (_path(TREE, node) if node >= 0 else [])]
         ref_cache = (saved[0].clone(), saved[1].clone())
         ref_meta = AttentionMetadata.build([len(rows)], [ctx + len(rows)], [table], BS)
-        ref = TorchPagedAttention(native=False).forward(q[rows], k[rows], v[rows], ref_cache, ref_meta, D ** -0.5)
+        ref = TorchPagedAttention(native=False, sliding_window=window).forward(q[rows], k[rows], v[rows], ref_cache,
+                                                                               ref_meta, D ** -0.5)
         torch.testing.assert_close(out[node + 1], ref[-1], atol=1e-5, rtol=1e-5)
     chain_cache = (saved[0].clone(), saved[1].clone())
-    ref = TorchPagedAttention(native=False).forward(q1, k1, v1, chain_cache,
-                                                    AttentionMetadata.build([3], [13], [other_table], BS), D ** -0.5)
+    ref = TorchPagedAttention(native=False, sliding_window=window).forward(
+        q1, k1, v1, chain_cache, AttentionMetadata.build([3], [13], [other_table], BS), D ** -0.5)
     torch.testing.assert_close(out[1 + n:], ref, atol=1e-5, rtol=1e-5)
 
 
