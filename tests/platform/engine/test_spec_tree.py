@@ -125,9 +125,10 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2.0)))
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, top_k=5, top_p=0.9),
-                                    SamplingParams(temperature=1.3)])
-def test_tree_rejection_sampling_keeps_the_target_distribution(params: SamplingParams) -> None:
+@pytest.mark.parametrize(("params", "duplicate"), [(SamplingParams(temperature=0.9, top_k=5, top_p=0.9), False),
+                                                 (SamplingParams(temperature=1.3), False),
+                                                 (SamplingParams(temperature=1.0, top_p=0.95), True)])
+def test_tree_rejection_sampling_keeps_the_target_distribution(params: SamplingParams, duplicate: bool) -> None:
     vocab, num = 12, 40_000
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(1 + len(TREE), vocab, generator=g) * 1.5
@@ -136,6 +137,8 @@ def test_tree_rejection_sampling_keeps_the_target_distribution(params: SamplingP
     # The drafts: the root's two most likely tokens (high acceptance) and less likely ones below.
     order = probs.argsort(dim=1, descending=True).tolist()
     drafts = [order[0][0], order[0][1], order[1][0], order[2][3], order[2][0], order[4][1]]
+    if duplicate:  # node 4 repeats its sibling node 3's token: it must never be accepted (already rejected)
+        drafts[4] = drafts[3]
     target = probs.repeat(num, 1)
     out = tree_rejection_sample(target, [b * (1 + len(TREE)) for b in range(num)], [drafts] * num, [TREE] * num,
                                 [None] * num, torch.Generator().manual_seed(2))
@@ -153,7 +156,8 @@ def test_tree_rejection_sampling_keeps_the_target_distribution(params: SamplingP
         assert _chi2_pvalue(torch.bincount(torch.tensor(third), minlength=vocab).float(), probs[4]) > 1e-3
     # Accepted drafts really form a root-to-node path.
     for o in out[:2000]:
-        accepted_path(TREE, drafts, o)
+        path = accepted_path(TREE, drafts, o)
+        assert not duplicate or 4 not in path
     # And the second child is accepted when the first is rejected: the tree gains over its first branch alone.
     assert sum(o[0] == drafts[1] for o in out) > 0
 
