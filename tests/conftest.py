@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -365,3 +366,22 @@ class HealthProbe:
 def probe_health_fixture() -> Callable[[str, float], HealthProbe]:
     """probe_health(url, interval_s): see `HealthProbe`."""
     return HealthProbe
+
+
+# --- speculative decoding ------------------------------------------------------------------
+
+@pytest.fixture(name="spec_distribution", scope="session")
+def spec_distribution_fixture() -> ModuleType:
+    """The speculation distribution harness, tests/platform/engine/spec_distribution.py, as a module (tests/ is not
+    on sys.path under --import-mode=importlib): `spec_distribution.check_distribution(llm, prompt, params)`."""
+    import importlib.util
+
+    name = "ember_tests_spec_distribution"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).resolve().parent / "platform" / "engine" / "spec_distribution.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses resolve their module by name
+        spec.loader.exec_module(module)
+    return sys.modules[name]

@@ -26,13 +26,15 @@ def _exponential(shape: tuple[int, ...], generators: Sequence[torch.Generator | 
     return noise.clamp_(min=torch.finfo(torch.float32).tiny)  # 0 noise would make a masked 0 / 0 a NaN
 
 
-def _uniform(shape: tuple[int, ...], generators: Sequence[torch.Generator | None], shared: torch.Generator | None,
-             device: torch.device) -> torch.Tensor:
-    u = torch.rand(shape, device=device, generator=shared) if any(g is None for g in generators) \
-        else torch.empty(shape, device=device)
+def _uniform(lengths: Sequence[int], width: int, generators: Sequence[torch.Generator | None],
+             shared: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """[B, width] uniforms; a seeded request draws only its own `lengths[b]` (one per draft), so what its generator
+    yields next does not depend on how many drafts the other requests of the batch have."""
+    u = torch.rand((len(lengths), width), device=device, generator=shared) if any(g is None for g in generators) \
+        else torch.ones((len(lengths), width), device=device)
     for b, g in enumerate(generators):
-        if g is not None:
-            u[b] = torch.rand(shape[1:], device=device, generator=g)
+        if g is not None and lengths[b]:
+            u[b, :lengths[b]] = torch.rand(lengths[b], device=device, generator=g)
     return u
 
 
@@ -77,7 +79,7 @@ def rejection_sample(target_probs: torch.Tensor, row_starts: Sequence[int], draf
                 q[b, :ks[b]] = probs[:ks[b]].to(device=device, dtype=q.dtype)
         q_x = q.gather(2, x[..., None]).squeeze(2)
         residual = (p_draft - q).clamp_(min=0.0)
-    u = _uniform((num_reqs, width), generators, shared, device)
+    u = _uniform(ks, width, generators, shared, device)
     accept = (u * q_x < p_x) & (q_x > 0) & valid  # u < min(1, p / q), as u < 1
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B] accepted until the first rejection
     total = residual.sum(dim=2, keepdim=True)

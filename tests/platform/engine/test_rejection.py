@@ -78,3 +78,20 @@ def test_greedy_target_accepts_exactly_the_argmax_prefix() -> None:
     one_hot = torch.eye(V)[[3, 1, 5]]  # a greedy target: one-hot rows
     out = rejection_sample(one_hot, [0], [[3, 2]], [None], [None], torch.Generator().manual_seed(0))
     assert out == [[3, 1]]
+
+
+def test_a_seeded_request_draws_the_same_whatever_the_rest_of_the_batch_drafts() -> None:
+    g = torch.Generator().manual_seed(3)
+    p_rows = torch.stack([_dist(g) for _ in range(4)])  # up to 3 drafts + the bonus row
+
+    def seeded_outputs(other_drafts: list[int]) -> list[list[int]]:
+        generator = torch.Generator().manual_seed(5)
+        target = torch.cat([p_rows[:2], p_rows[:len(other_drafts) + 1]])
+        outs = []
+        for _ in range(200):  # the seeded request (one draft) first, then one with `other_drafts`
+            outs.append(rejection_sample(target, [0, 2], [[1], other_drafts], [None, None], [generator, None],
+                                         torch.Generator().manual_seed(9))[0])
+        return outs
+
+    # Its generator yields one uniform per draft of its own, not one per the widest request's.
+    assert seeded_outputs([2]) == seeded_outputs([2, 3, 4]) == seeded_outputs([])
