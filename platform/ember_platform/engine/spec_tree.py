@@ -150,7 +150,7 @@ def tree_rejection_sample(target_probs: torch.Tensor, row_starts: Sequence[int],
     p_x = target_probs[rows.view(-1), x.view(-1)].view(num_reqs, width).float()  # p(x_c) at c's parent
     p_x = p_x.masked_fill(torch.tensor(dup, device=device), 0.0)  # a repeated sibling token: already rejected
     rejected_mass = torch.bmm(earlier.to(device), p_x[..., None]).squeeze(-1)  # [B, N] earlier siblings' mass
-    u = _uniform((num_reqs, width), generators, shared, device)
+    u = _uniform([len(d) for d in drafts], width, generators, shared, device)
     # Accepted when reached with probability p(x) / (1 - rejected mass): the residual's share of x.
     accept = (u * (1.0 - rejected_mass).clamp_(min=0.0) < p_x) & torch.tensor(valid, device=device)
     accept_rows = accept.tolist()  # host sync 1: the walk
