@@ -40,6 +40,7 @@ CALIBRATION_TOKENS = 64 * 256
 # (label, method, options): the rows, in table order; a method not installed is reported, not run.
 METHODS: list[tuple[str, Any, dict[str, Any]]] = [
     ("int8", "int8", {}),
+    ("int4 g32 (rtn)", "int4", {"group_size": 32}),
     ("int4 g64 (rtn)", "int4", {"group_size": 64}),
     ("int4 g128 (rtn)", "int4", {"group_size": 128}),
     ("gptq int4 g64", "gptq", {"bits": 4, "group_size": 64, "num_samples": 64, "seq_len": 256}),
@@ -48,9 +49,15 @@ METHODS: list[tuple[str, Any, dict[str, Any]]] = [
                                              "seq_len": 256}),
     ("gptq int8", "gptq", {"bits": 8, "group_size": -1, "num_samples": 64, "seq_len": 256}),
     ("fp8", "fp8", {}),
-    ("rotation+int4", ["rotation", "int4"], {}),
+    ("rotation+int4", ["rotation", "int4"], {}),  # int4's default groups: 128
+    ("rotation+int4 (8 seeds)", ["rotation", "int4"], {"rotation": {"candidates": 8}}),
+    ("rotation+int4 g64 (8 seeds)", ["rotation", "int4"], {"rotation": {"candidates": 8, "search_group_size": 64},
+                                                           "int4": {"group_size": 64}}),
     ("rotation+gptq", ["rotation", "gptq"], {"gptq": {"num_samples": 64, "seq_len": 256}}),
     ("mixed", "mixed", {}),
+    # At the bits of a uniform int4 row (4 + 40 / group: a float32 scale and a uint8 zero per group), to compare.
+    ("mixed 4.625 bits (= int4 g64)", "mixed", {"average_bits": 4.625}),
+    ("mixed 5.25 bits (= int4 g32)", "mixed", {"average_bits": 5.25}),
 ]
 SPEED_BATCHES = (1, 8, 32)
 # Decode speed depends on the layers' storage, not on how the weights were chosen: one row per kind of layer, and

@@ -170,6 +170,20 @@ def test_plugin_commands_load_only_the_plugins_entry_modules(argv: list[str], tm
     assert not _forbidden(modules, "ember_platform", "ember_kernels", *HEAVY)
 
 
+def test_explain_checks_option_values_without_torch(make_package, tmp_path: Path) -> None:
+    # Option values are checked by the functions a technique registers as its `check` (quantization's:
+    # ember_plugins/quantization/options.py): loaded by `ember explain` for a manifest that gives options, so they
+    # must be as light as an entry module.
+    pkg = make_package(extra_toml='[quantization]\nmethod = ["rotation", "int4"]\n'
+                                  'options = { rotation = { seed = 1 }, int4 = { group_size = 64 } }\n')
+    modules = _modules_after(f"sys.argv = ['ember', 'explain', {str(pkg)!r}]\nimport runpy\n"
+                             "runpy.run_module('ember', run_name='__main__', alter_sys=True)", tmp_path)
+    assert "ember_plugins.quantization.options" in modules  # the values were checked
+    plugin_modules = {m for m in modules if _under(m, "ember_plugins")}
+    assert plugin_modules <= _entry_point_modules() | {"ember_plugins", "ember_plugins.quantization.options"}
+    assert not _forbidden(modules, "ember_platform", "ember_kernels", *HEAVY)
+
+
 def test_the_platform_api_module_is_lazy(tmp_path: Path) -> None:
     # The gateway imports routing-scorer plugins, which import ember_platform.api: that must not pull in torch.
     modules = _modules_after("from ember_platform.api import KV_TIERS, ReplicaView, RouteRequest, Score", tmp_path)

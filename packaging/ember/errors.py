@@ -19,5 +19,9 @@ class PluginError(EmberError):
     """A plugin is broken, conflicts with another, or a technique name is unknown."""
 
 
+class OptionValueError(PluginError, ValueError):
+    """A technique's option has a value it cannot take (raised by the technique's `check`, naming the key)."""
+
+
 class RegistryError(EmberError):
     """A registry is unreachable, denies access, or lacks what was asked for."""

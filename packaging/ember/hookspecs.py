@@ -36,9 +36,15 @@ class Register(Protocol):
     selection's options) that the technique reads; a speculator that reads `[speculator] model` declares "model".
     Any other key is refused when a package is built or loaded, since nothing would read it; a technique that
     declares none takes no options.
+
+    `check`: optional, `check(options, prefix)` (a callable or a "module:attr" string, loaded when a manifest names
+    the technique): raises ValueError naming `prefix.key` for an option value the technique cannot take. Ember runs
+    it wherever it checks a manifest (`ember explain`, `ember build`, an engine's start), so it must import no
+    torch; the technique should run the same function when it is built.
     """
 
-    def __call__(self, name: str, impl: Any, *, summary: str = "", options: Iterable[str] = ()) -> None: ...
+    def __call__(self, name: str, impl: Any, *, summary: str = "", options: Iterable[str] = (),
+                 check: Any = None) -> None: ...
 
 
 # --- registration -------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -24,7 +24,7 @@ from typing import Any
 import pluggy
 
 from ember import hookspecs
-from ember.errors import PluginError
+from ember.errors import OptionValueError, PluginError
 from ember.hardware import Hardware, detect_hardware
 from ember.hooks import NAME, hookimpl
 from ember.kernel_ops import REGISTER_HOOK, KernelOpRegistry, collect_kernel_ops
@@ -150,10 +150,10 @@ class PluginHost:
             for spec in KINDS.values():
                 for plugin_name, call in self._impls(spec.register_hook):
                     def register(name: str, impl: Any, *, summary: str = "", options: Iterable[str] = (),
-                                 _p: str = plugin_name, _k: str = spec.kind) -> None:
+                                 check: Any = None, _p: str = plugin_name, _k: str = spec.kind) -> None:
                         if isinstance(options, str):  # options="bits" would declare "b", "i", "t", "s"
                             options = (options,)
-                        registry.add(Technique(_k, name, impl, _p, summary, tuple(options)))
+                        registry.add(Technique(_k, name, impl, _p, summary, tuple(options), check))
                     call(register=register)
             self._registry = registry
         return self._registry
@@ -198,6 +198,7 @@ class PluginHost:
                                   f"= {value!r} names no technique to pass it to")
             if given:
                 self._check_options(kind, value, given, source)
+                self._check_option_values(kind, value, _manifest_options(manifest, kind), source)
         parser = manifest.chat.tool_parser
         if parser not in KINDS["tool_parser"].reserved and self.techniques.get("tool_parser", parser) is None:
             raise PluginError(f"{source}: chat.tool_parser: {unknown_technique_message(self, 'tool_parser', parser)}")
@@ -222,6 +223,28 @@ class PluginHost:
         hint = f" — did you mean '{close[0]}'?" if close else ""
         raise PluginError(f"{where}: {_option_key(kind, unread[0])}: not supported by {kind} '{name}' "
                           f"({self._describe(technique.plugin)}), which {reads}{hint}")
+
+    def _check_option_values(self, kind: str, name: str, options: Mapping[str, Any], where: str) -> None:
+        """OptionValueError naming the first option whose value the technique's registered `check` refuses; each
+        technique of a composition checks its own table (`quantization.options.<method>`). The same function the
+        technique runs when it is built, so a manifest is refused here as an engine would refuse it."""
+        if kind not in _OPTION_SECTIONS or name in KINDS[kind].reserved:
+            return
+        parts = _composed(kind, name)
+        ours = _EMBER_OPTION_KEYS.get(kind, frozenset())
+        for part in parts:
+            technique = self.techniques.get(kind, part)
+            check = technique.load_check() if technique is not None else None
+            if check is None:
+                continue
+            own = options.get(part, {}) if len(parts) > 1 else options
+            if not isinstance(own, Mapping):
+                continue  # the engine refuses a composed method's table that is not a table, naming it
+            prefix = f"{_OPTION_SECTIONS[kind]}.options" + (f".{part}" if len(parts) > 1 else "")
+            try:
+                check({k: v for k, v in own.items() if k not in ours}, prefix)
+            except ValueError as e:
+                raise OptionValueError(f"{where}: {e}") from None
 
     def select(self, kind: str, manifest: Manifest, hardware: Hardware | None = None) -> SelectionReport:
         """Ask the selection hook for `kind`; report the winner and who decided."""
@@ -254,6 +277,7 @@ class PluginHost:
                                                     and manifest.speculator.model is not None else [])]
             refuse_unconsumed_selection(report, manifest)
             self._check_options(kind, report.name, read_by_technique, decided_by)
+            self._check_option_values(kind, report.name, report.options, decided_by)
             return report
         article = "an" if kind[0] in "aeiou" else "a"
         raise PluginError(f"no installed plugin provides {article} {kind} technique for {hardware.describe()} "

@@ -51,18 +51,26 @@ class Technique:
     plugin: str
     summary: str = ""
     options: tuple[str, ...] = ()  # the option keys it reads (`register(..., options=...)`); others are refused
+    check: Any = None  # checks the options' values (`register(..., check=...)`): a callable or "module:attr"
 
     def load(self) -> Any:
-        if not isinstance(self.impl, str):
-            return self.impl
-        module_name, _, attr = self.impl.partition(":")
+        return self._resolve(self.impl)
+
+    def load_check(self) -> Any:
+        """The options' value check, `check(options, prefix)` (None when the technique registered none)."""
+        return None if self.check is None else self._resolve(self.check)
+
+    def _resolve(self, target: Any) -> Any:
+        if not isinstance(target, str):
+            return target
+        module_name, _, attr = target.partition(":")
         try:
             obj: Any = importlib.import_module(module_name)
             for part in attr.split(".") if attr else ():
                 obj = getattr(obj, part)
         except (ImportError, AttributeError) as e:
             raise PluginError(f"plugin '{self.plugin}': {self.kind} '{self.name}' cannot be loaded from "
-                              f"{self.impl!r}: {e}") from e
+                              f"{target!r}: {e}") from e
         return obj
 
 

@@ -94,3 +94,28 @@ def test_user_mistakes_print_one_line_without_traceback(make_package, tmp_path: 
         assert "Traceback" not in out.stderr, (args, out.stderr)
         assert expected in out.stderr, (args, out.stderr)
         assert out.stderr.startswith(f"ember {args[0]}: error: "), (args, out.stderr)
+
+
+@pytest.mark.parametrize(("quantization", "expected"), [
+    ('method = "int4"\noptions = { group_size = 48 }',
+     "quantization.options.group_size = 48: int4 takes one of 32, 64, 128"),
+    ('method = "gptq"\noptions = { bits = 3 }', "quantization.options.bits = 3: gptq stores 4-bit or 8-bit weights"),
+    ('method = "mixed"\noptions = { average_bits = 4.0 }', "quantization.options.average_bits = 4.0: below 4.3125"),
+    ('method = ["rotation", "int4"]\noptions = { rotation = { seed = -1 } }',
+     "quantization.options.rotation.seed = -1: a non-negative integer"),
+    ('method = ["rotation", "int4"]\noptions = { rotation = { kv_rotation = true } }',
+     "quantization.options.rotation.kv_rotation = True: not supported yet"),
+    ('method = "int8"\noptions = { skip = "lm_head" }', "quantization.options.skip = 'lm_head': a list of layer names"),
+])
+def test_explain_refuses_a_bad_quantization_option_value(make_package, quantization: str, expected: str) -> None:
+    """The value checks the quantizers run when an engine builds them (ember_plugins/quantization/options.py),
+    run by `ember explain` too, without torch: the same message, naming the key."""
+    pkg = make_package(extra_toml=f"[quantization]\n{quantization}\n")
+    out = ember("explain", str(pkg))
+    assert out.returncode != 0, out.stdout
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("ember explain: error: "), out.stderr
+    assert expected in out.stderr, out.stderr
+    good = make_package(extra_toml='[quantization]\nmethod = ["rotation", "int4"]\noptions = '
+                                   '{ rotation = { seed = 3, candidates = 4 }, int4 = { group_size = 64 } }\n')
+    assert ember("explain", str(good)).returncode == 0

@@ -43,6 +43,7 @@ from ember_platform.api import (
     skipped,
 )
 from ember_plugins.quantization.int8 import aligned, standalone_linear
+from ember_plugins.quantization.options import check_fp8, checked
 
 KERNELS = ("auto", "native", "torch")
 ACTIVATIONS = ("none", "fp8")
@@ -232,6 +233,7 @@ class Fp8Quantizer(Quantizer):
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
+        checked(check_fp8, self.options)  # what ember checks a manifest with too (options.py); the checks below stay
         self.skip = tuple(self.options.get("skip", ("lm_head",)))
         threshold = self.options.get("dense_threshold")
         if threshold is not None and not isinstance(threshold, int):

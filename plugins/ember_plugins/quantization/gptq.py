@@ -32,6 +32,7 @@ from ember_platform.api import (
     Quantizer,
     copy_shard,
 )
+from ember_plugins.quantization.options import check_gptq, checked
 
 BITS = 4
 PACK = 32 // BITS  # 4-bit values per int32
@@ -113,12 +114,10 @@ class GPTQQuantizer(Quantizer):
     checkpoint_format = "gptq"
 
     def __init__(self, options: Mapping[str, Any]) -> None:
-        from ember_plugins.quantization.gptq_calibrated import GPTQSettings
-
         super().__init__(options)
         self.method: LinearMethod | None = None
         self.lm_head = False
-        self.settings = GPTQSettings.from_options(self.options)  # checked before any weight loads
+        self.settings = checked(check_gptq, self.options)  # checked before any weight loads (and by ember, options.py)
         self.calibrated: Any = None  # a gptq_calibrated.GPTQ, for a full-precision checkpoint
 
     def prepare(self, context: QuantizationContext) -> None:

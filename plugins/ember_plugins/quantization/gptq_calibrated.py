@@ -16,8 +16,7 @@ precision, default ["lm_head")).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,87 +37,12 @@ from ember_plugins.quantization.gptq_int4 import gptq_tensors
 from ember_plugins.quantization.gptq_quantize import QuantizedWeight, gptq_quantize
 from ember_plugins.quantization.gptq_sequential import calibrate_sequentially
 from ember_plugins.quantization.int8 import Int8LinearMethod
+from ember_plugins.quantization.options import GPTQSettings
 
 log = logging.getLogger("ember.gptq")
 
-OPTIONS = ("bits", "group_size", "sym", "act_order", "damp", "num_samples", "seq_len", "skip", "kernel")
-
-
-def _default(field: str) -> Any:
-    return GPTQSettings.__dataclass_fields__[field].default
-
-
 def _where(key: str) -> str:
     return f"quantization.options.{key}"
-
-
-@dataclass(frozen=True, slots=True)
-class GPTQSettings:
-    bits: int = 4
-    group_size: int = 128
-    sym: bool = True
-    act_order: bool = True
-    damp: float = 0.01
-    num_samples: int = 128
-    seq_len: int = 256
-    skip: tuple[str, ...] = ("lm_head",)
-    kernel: str = "auto"
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> GPTQSettings:
-        """Checked settings; a QuantizationError names the first bad `quantization.options.<key>`."""
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise QuantizationError(f"{_where(unknown[0])}: not an option of quantization 'gptq' (options: "
-                                    f"{', '.join(OPTIONS)})")
-        values = dict(options)
-
-        def integer(key: str, default: int) -> int:
-            value = values.get(key, default)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise QuantizationError(f"{_where(key)} = {value!r}: expected an integer")
-            return value
-
-        def boolean(key: str, default: bool) -> bool:
-            value = values.get(key, default)
-            if not isinstance(value, bool):
-                raise QuantizationError(f"{_where(key)} = {value!r}: expected true or false")
-            return value
-
-        bits, group_size = integer("bits", _default("bits")), integer("group_size", _default("group_size"))
-        sym, act_order = boolean("sym", _default("sym")), boolean("act_order", _default("act_order"))
-        num_samples, seq_len = integer("num_samples", _default("num_samples")), integer("seq_len", _default("seq_len"))
-        damp = values.get("damp", _default("damp"))
-        skip = values.get("skip", _default("skip"))
-        if bits not in (4, 8):
-            raise QuantizationError(f"{_where('bits')} = {bits}: gptq stores 4-bit or 8-bit weights")
-        if group_size == 0 or group_size < -1:
-            raise QuantizationError(f"{_where('group_size')} = {group_size}: a positive number of input columns "
-                                    "per scale, or -1 for one scale per output channel")
-        if bits == 8 and group_size != -1:
-            raise QuantizationError(f"{_where('group_size')} = {group_size}: 8-bit gptq weights are stored in the "
-                                    "int8 layers, which hold one scale per output channel: use group_size = -1")
-        if bits == 8 and not sym:
-            raise QuantizationError(f"{_where('sym')} = false: 8-bit gptq weights are stored in the int8 layers, "
-                                    "which are symmetric")
-        if isinstance(damp, bool) or not isinstance(damp, int | float) or not 0 < damp <= 1:
-            raise QuantizationError(f"{_where('damp')} = {damp!r}: a fraction of the mean Hessian diagonal, "
-                                    "0 < damp <= 1 (GPTQ's default 0.01)")
-        if num_samples < 1:
-            raise QuantizationError(f"{_where('num_samples')} = {num_samples}: at least 1 sequence")
-        if seq_len < 2:
-            raise QuantizationError(f"{_where('seq_len')} = {seq_len}: at least 2 tokens per sequence")
-        if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
-            raise QuantizationError(f"{_where('skip')} = {skip!r}: a list of layer names, e.g. [\"lm_head\"]")
-        kernel = values.get("kernel", _default("kernel"))
-        if not isinstance(kernel, str):
-            raise QuantizationError(f"{_where('kernel')} = {kernel!r}: the name of an int{bits} kernel")
-        return cls(bits, group_size, sym, act_order, float(damp), num_samples, seq_len, tuple(skip), kernel)
-
-    def describe(self) -> str:
-        group = "per channel" if self.group_size == -1 else f"group {self.group_size}"
-        order = ", act-order" if self.act_order else ""
-        return f"gptq {self.bits}-bit {'sym' if self.sym else 'asym'}, {group}{order}"
 
 
 class GPTQStoredMethod(LinearMethod):

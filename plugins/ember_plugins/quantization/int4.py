@@ -47,10 +47,12 @@ from torch import nn
 
 from ember_kernels.cpu.int4_linear import groups_of, int4_linear, int4_linear_available, int4_pack
 from ember_platform.api import UNQUANTIZED, Linear, LinearMethod, LinearSpec, QuantizationError, Quantizer, skipped
+from ember_plugins.quantization.options import INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, INT4_KERNELS, check_int4
+from ember_plugins.quantization.options import checked as checked_options
 
-GROUP_SIZES = (32, 64, 128)
-KERNELS = ("auto", "native", "int4pack", "triton", "dequant")
-DEFAULT_GROUP = 128
+GROUP_SIZES = INT4_GROUP_SIZES
+KERNELS = INT4_KERNELS
+DEFAULT_GROUP = INT4_DEFAULT_GROUP
 INT4PACK_GROUPS = (32, 64, 128, 256)  # what torch's int4pack kernel takes
 DENSE_ROWS = 16  # int4pack: rows above which a dequantized dense matmul is faster (measured, bench_int4.py)
 KERNEL_TENSORS = ("int4_packed", "int4_scales", "int4_zeros")  # what `install` registers on a layer
@@ -342,14 +344,6 @@ def Int4Linear(weights: Int4Weights, bias: torch.Tensor | None = None, kernel: s
     return layer
 
 
-def _option(options: Mapping[str, Any], key: str, default: Any, allowed: tuple[Any, ...]) -> Any:
-    value = options.get(key, default)
-    if type(value) is not type(default) or value not in allowed:  # 128.0 or True for 1 would slip through `in`
-        shown = ", ".join(repr(a) for a in allowed)
-        raise QuantizationError(f"quantization.options.{key} = {value!r}: int4 takes one of {shown}")
-    return value
-
-
 class Int4Quantizer(Quantizer):
     """Options: `group_size` (32, 64 or 128; default 128), `symmetric` (true, default, or false), `skip` (layers
     kept in full precision, by attribute name or module prefix; default ["lm_head"]), `kernel` (auto, native,
@@ -357,14 +351,9 @@ class Int4Quantizer(Quantizer):
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
-        group_size = _option(self.options, "group_size", DEFAULT_GROUP, GROUP_SIZES)
-        symmetric = _option(self.options, "symmetric", True, (True, False))
-        kernel = _option(self.options, "kernel", "auto", KERNELS)
-        skip = self.options.get("skip", ["lm_head"])
-        if not isinstance(skip, list | tuple) or not all(isinstance(s, str) for s in skip):
-            raise QuantizationError(f"quantization.options.skip = {skip!r}: a list of layer names")
-        self.skip = tuple(skip)
-        self.method = Int4LinearMethod(group_size, symmetric, kernel)
+        checked = checked_options(check_int4, self.options)  # what ember checks a manifest with too (options.py)
+        self.skip = checked["skip"]
+        self.method = Int4LinearMethod(checked["group_size"], checked["symmetric"], checked["kernel"])
 
     def linear_method(self, spec: LinearSpec, inner: LinearMethod) -> LinearMethod:
         if inner is not UNQUANTIZED:

@@ -44,8 +44,10 @@ from torch import nn
 from ember_kernels.cpu.int8_linear import int8_linear, int8_linear_available
 from ember_kernels.cpu.quantized_linear import int8_gemm
 from ember_platform.api import UNQUANTIZED, Linear, LinearMethod, LinearSpec, Quantizer, skipped
+from ember_plugins.quantization.options import INT8_KERNELS, check_int8
+from ember_plugins.quantization.options import checked as checked_options
 
-KERNELS = ("auto", "native", "fbgemm", "int8pack")
+KERNELS = INT8_KERNELS
 # Rows above which int8pack loses to a dense GEMM on the dequantized weights; fbgemm never did on the CPU
 # measured (fp32 MKL runs 22 GFLOP/s there), so its default is no dense path.
 INT8PACK_DENSE_THRESHOLD = 32
@@ -259,10 +261,9 @@ class Int8Quantizer(Quantizer):
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
-        self.skip = tuple(self.options.get("skip", ("lm_head",)))
-        threshold = self.options.get("dense_threshold")
-        self.method = Int8LinearMethod(str(self.options.get("kernel", "auto")),
-                                       None if threshold is None else int(threshold))
+        checked = checked_options(check_int8, self.options)  # what ember checks a manifest with too (options.py)
+        self.skip = checked["skip"]
+        self.method = Int8LinearMethod(checked["kernel"], checked["dense_threshold"])
         self.restored = Int8LinearMethod(self.method.kernel, self.method.dense_threshold, prequantized=True)
 
     def linear_method(self, spec: LinearSpec, inner: LinearMethod) -> LinearMethod:

@@ -22,7 +22,6 @@ does): 2 passes of the calibration text per covered layer.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Mapping
 from typing import Any
 
@@ -42,6 +41,7 @@ from ember_platform.api import (
 )
 from ember_plugins.quantization.int4 import DEFAULT_GROUP, GROUP_SIZES, Int4LinearMethod, quantize_rtn
 from ember_plugins.quantization.int8 import Int8LinearMethod, quantize_per_channel
+from ember_plugins.quantization.options import check_mixed, checked
 
 RULE = ("every covered layer int4 in the largest groups, then the upgrade (smaller int4 groups, int8, dense) "
         "saving the most sensitivity per extra bit, while the average bits per weight stay within average_bits; "
@@ -163,20 +163,9 @@ class MixedQuantizer(Quantizer):
                 self._methods[precision] = Int4LinearMethod(group, self.symmetric)
 
     def _check(self, context: QuantizationContext | None) -> None:
-        bits = self.average_bits
-        if isinstance(bits, bool) or not isinstance(bits, int | float) or not math.isfinite(bits) or bits <= 0:
-            raise QuantizationError(f"{_option_name(context, 'average_bits')} = {bits!r}: a positive number of bits")
-        if type(self.group_size) is not int or self.group_size not in GROUP_SIZES:
-            raise QuantizationError(f"{_option_name(context, 'group_size')} = {self.group_size!r}: one of "
-                                    f"{', '.join(map(str, GROUP_SIZES))}")
-        if not isinstance(self.symmetric, bool):
-            raise QuantizationError(f"{_option_name(context, 'symmetric')} = {self.symmetric!r}: true or false")
-        if not isinstance(self.skip, list | tuple) or not all(isinstance(s, str) for s in self.skip):
-            raise QuantizationError(f"{_option_name(context, 'skip')} = {self.skip!r}: a list of layer names")
-        least = 4 + 40 / self.group_size
-        if bits < least:
-            raise QuantizationError(f"{_option_name(context, 'average_bits')} = {bits!r}: below {least}, what int4 "
-                                    f"in groups of {self.group_size} stores, the smallest this plan can give")
+        # What ember checks a manifest with too (options.py), under the key this table has in the composition.
+        prefix = _option_name(context, "").removesuffix(".")
+        checked(check_mixed, self.options, prefix)
 
     def prepare(self, context: QuantizationContext) -> None:
         super().prepare(context)

@@ -22,14 +22,17 @@ matrices are in the unrotated basis; every adapter is refused at start or in `ad
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable, Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ember_platform.api import (
     AttentionBlock,
+    CalibrationContext,
     Linear,
     LinearMethod,
     LinearSpec,
@@ -37,9 +40,16 @@ from ember_platform.api import (
     QuantizationContext,
     QuantizationError,
     Quantizer,
+    linear_modules,
 )
 from ember_plugins.quantization.hadamard import RandomHadamard
+from ember_plugins.quantization.int4 import quantize_rtn
+from ember_plugins.quantization.options import check_rotation
+from ember_plugins.quantization.options import checked as checked_options
 
+log = logging.getLogger("ember.rotation")
+SEARCH_TOKENS = 4096  # calibration tokens each candidate rotation is scored on (`candidates` > 1) ...
+SEARCH_SEQUENCE = 256  # ... in sequences of this many
 STATS = {"folded_norms": 0, "rotated_linears": 0, "online_rotations": 0}  # what the last transform did
 
 
@@ -47,9 +57,14 @@ class OnlineRotationMethod(LinearMethod):
     """The input of a layer rotated online (x R), its weight rotated the same way (W R) by the rotation's
     `transform_model`; `inner` (the methods after rotation) stores and applies the rotated weight."""
 
-    def __init__(self, inner: LinearMethod, rotation: RandomHadamard) -> None:
-        self.inner, self.rotation = inner, rotation
+    def __init__(self, inner: LinearMethod, technique: RotationQuantizer, n: int) -> None:
+        self.inner, self.technique, self.n = inner, technique, n
         self.full_precision_until_loaded = inner.full_precision_until_loaded
+
+    @property
+    def rotation(self) -> RandomHadamard:
+        """R of the seed in use (chosen at calibration when `candidates` > 1, after this method was made)."""
+        return self.technique._online_rotation(self.n)
 
     def create_weights(self, layer: Linear) -> None:
         self.inner.create_weights(layer)
@@ -93,9 +108,12 @@ def _rotate_input_before_finalized(rotation: RandomHadamard) -> Any:
 
 
 class RotationQuantizer(Quantizer):
-    """Options: `seed` (int, default 0: the random signs and odd-size factors); `online` (bool, default true:
-    the online rotation of down_proj's input; false keeps down_proj's input basis); `kv_rotation` (false only:
-    rotating q/k per head after RoPE is not implemented)."""
+    """Options (checked by options.check_rotation): `seed` (int, default 0: the random signs and odd-size
+    factors); `online` (bool, default true: the online rotation of down_proj's input; false keeps down_proj's
+    input basis); `kv_rotation` (false only: rotating q/k per head after RoPE is not implemented); `candidates`
+    (default 1: that seed; n > 1: seeds seed..seed+n-1 are tried on calibration text and the one whose int4-rounded
+    model is closest to full precision is kept, see `calibrate`; the choice is the technique's saved state);
+    `search_group_size` (32, 64 or 128, default 128: the int4 groups that choice rounds in)."""
 
     transforms_model = True
     lora_refusal = ("not supported yet: the rotation rewrites the weights in a rotated basis (norms folded, W Q, "
@@ -106,6 +124,10 @@ class RotationQuantizer(Quantizer):
         super().__init__(options)
         self.seed = 0
         self.online = True
+        self.candidates, self.search_group_size = 1, 128
+        self.search_kl: dict[str, float] = {}  # seed -> calibration KL of its int4-rounded model
+        self._restored = False
+        self._model: nn.Module | None = None
         self.structure: ModelStructure | None = None
         self.online_layers: frozenset[str] = frozenset()
         self._online: dict[int, RandomHadamard] = {}
@@ -117,15 +139,9 @@ class RotationQuantizer(Quantizer):
 
     def prepare(self, context: QuantizationContext) -> None:
         super().prepare(context)  # refuses a pre-quantized checkpoint
-        seed, online, kv = (self.options.get(k, d) for k, d in (("seed", 0), ("online", True),
-                                                                 ("kv_rotation", False)))
-        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise QuantizationError(f"{self._option(context, 'seed')} = {seed!r}: a non-negative integer")
-        if not isinstance(online, bool):
-            raise QuantizationError(f"{self._option(context, 'online')} = {online!r}: true or false")
-        if kv is not False:
-            raise QuantizationError(f"{self._option(context, 'kv_rotation')} = {kv!r}: not supported yet (rotating "
-                                    "q and k per head after RoPE is not implemented); remove it or set false")
+        # What ember checks a manifest with too (options.py), under the key this table has in the composition.
+        checked = checked_options(check_rotation, self.options, self._option(context, "").removesuffix("."))
+        seed, online = checked["seed"], checked["online"]
         if context.position != 0:
             raise QuantizationError(
                 f"[quantization] method: '{context.chain[context.position]}' comes after "
@@ -136,6 +152,8 @@ class RotationQuantizer(Quantizer):
             raise QuantizationError("quantization 'rotation': not supported yet for tied embeddings (the LM head "
                                     "would need E diag(g) Q and the embeddings E Q, one shared tensor)")
         self.seed, self.online, self.structure = seed, online, s
+        self.candidates, self.search_group_size = checked["candidates"], checked["search_group_size"]
+        self.needs_calibration = self.candidates > 1  # the seed is then chosen on calibration text
         attention_outputs = {a.output for a in s.attention}
         self.online_layers = frozenset(w for w in s.residual_writers if w not in attention_outputs) if online \
             else frozenset()
@@ -151,18 +169,100 @@ class RotationQuantizer(Quantizer):
                                     f"loads stored ones ({type(inner).__name__}): rotation comes before a method "
                                     "that quantizes on load, and cannot rotate a pre-quantized checkpoint")
         if spec.prefix in self.online_layers:
-            return OnlineRotationMethod(inner, self._online_rotation(spec.in_features))
+            return OnlineRotationMethod(inner, self, spec.in_features)
         return inner  # its weight is rotated by transform_model, nothing changes at run time
 
     def restored_method(self, spec: LinearSpec, inner: LinearMethod) -> LinearMethod:
-        """A cache entry holds the rotated weights (and norms, embeddings): only the online rotation remains."""
+        """A cache entry holds the rotated weights (and norms, embeddings): only the online rotation remains, of the
+        seed the entry was made with (`restore_state`)."""
+        if self.candidates > 1 and not self._restored:
+            raise QuantizationError("quantization 'rotation' with candidates > 1: these quantized weights were saved "
+                                    "without the seed chosen for them, so their online rotation is unknown")
         if spec.prefix in self.online_layers:
-            return OnlineRotationMethod(inner, self._online_rotation(spec.in_features))
+            return OnlineRotationMethod(inner, self, spec.in_features)
         return inner
+
+    def state(self) -> Mapping[str, Any]:
+        """The seed in use (chosen among `candidates`, with each one's calibration KL), saved with the weights."""
+        return {"seed": self.seed, "candidates": self.candidates, "search_group_size": self.search_group_size,
+                "search_kl": dict(self.search_kl)}
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        seed = state.get("seed")
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise QuantizationError(f"quantization 'rotation': the saved state has no seed ({seed!r})")
+        self._use_seed(seed)
+        self._restored = True
+
+    def _use_seed(self, seed: int) -> None:
+        self.seed = seed
+        self._online.clear()  # the online rotations are the seed's
 
     # --- the fold ---------------------------------------------------------------------------------------------
 
     def transform_model(self, model: nn.Module) -> None:
+        if self.candidates > 1:
+            self._model = model  # folded in `calibrate`, once the seed is chosen
+            return
+        self._fold(model)
+
+    def calibrate(self, calibration: CalibrationContext) -> None:
+        """Choose the seed among `candidates` (seed, seed + 1, ...): fold each one, round every linear but the LM
+        head to int4 (round to nearest, symmetric, groups of `search_group_size`), and keep the one whose logits on
+        the calibration text are closest to full precision (mean KL per token), SpinQuant's observation that
+        random rotations differ in how well the rotated model quantizes, by a search instead of training. Then fold
+        the chosen one. Holds a copy of the full-precision parameters while searching."""
+        model = self._model
+        assert model is not None, "transform_model() first"
+        ids = calibration.tokenizer.encode(calibration.text, add_special_tokens=False)[:SEARCH_TOKENS]
+        sequences = [ids[i:i + SEARCH_SEQUENCE] for i in range(0, len(ids), SEARCH_SEQUENCE)]
+        sequences = [seq for seq in sequences if len(seq) > 1]
+        if not sequences:
+            raise QuantizationError(f"quantization 'rotation': the calibration text ({calibration.source}) has no "
+                                    "tokens to choose the rotation on")
+
+        def log_probs() -> list[torch.Tensor]:
+            with torch.inference_mode():
+                return [torch.log_softmax(model.compute_logits(calibration.run(seq)).float(), dim=-1)
+                        for seq in sequences]
+
+        reference = log_probs()
+        tokens = sum(len(r) for r in reference)
+        saved = {name: p.detach().clone() for name, p in model.named_parameters()}
+        params = dict(model.named_parameters())
+        self.search_kl = {}
+        seeds = range(self.seed, self.seed + self.candidates)
+        for seed in seeds:
+            self._use_seed(seed)
+            self._fold(model)
+            with torch.no_grad():
+                for name, layer in linear_modules(model):
+                    if name.split(".")[-1] != "lm_head":
+                        w = layer.weight.data
+                        w.copy_(quantize_rtn(w, self.search_group_size, True).dequantize(w.dtype))
+            kl = sum(float(F.kl_div(got, ref, log_target=True, reduction="sum"))
+                     for got, ref in zip(log_probs(), reference, strict=True)) / tokens
+            self.search_kl[str(seed)] = round(kl, 8)
+            self._unhook(model)
+            with torch.no_grad():
+                for name, value in saved.items():
+                    params[name].data.copy_(value)
+        best = min(seeds, key=lambda s: (self.search_kl[str(s)], s))
+        del saved
+        log.info("rotation: seed %d of %s (calibration KL of the int4-rounded model: %s)", best,
+                 list(self.search_kl), self.search_kl)
+        self._use_seed(best)
+        self._fold(model)
+        self._model = None
+
+    @staticmethod
+    def _unhook(model: nn.Module) -> None:
+        for _, layer in linear_modules(model):
+            handle = layer.__dict__.pop("_rotation_hook", None)
+            if handle is not None:
+                handle.remove()
+
+    def _fold(self, model: nn.Module) -> None:
         assert self.structure is not None, "prepare() first"
         s = self.structure
         q = RandomHadamard(s.hidden_size, self.seed).matrix()  # float64 [D, D]
