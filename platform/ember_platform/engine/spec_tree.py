@@ -23,6 +23,7 @@ point mass, this is SpecInfer's multi-round speculative sampling, so the output 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -66,7 +67,13 @@ def prune(parents: Sequence[int], keep: Sequence[bool]) -> list[int]:
 
 
 def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
-    """[n + 1, n + 1] bool over the root (row/column 0) and the nodes: entry (q, k) when k is q or an ancestor of q."""
+    """[n + 1, n + 1] bool over the root (row/column 0) and the nodes: entry (q, k) when k is q or an ancestor of q.
+    Shared between calls with the same tree (a speculator's trees repeat): read it, never write it."""
+    return _ancestor_mask(tuple(int(p) for p in parents))
+
+
+@functools.lru_cache(maxsize=256)
+def _ancestor_mask(parents: tuple[int, ...]) -> torch.Tensor:
     n = len(parents)
     mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
     mask[0, 0] = True
