@@ -6,30 +6,34 @@ one decoder layer), each method's layer as the engine builds it, at M = 1, 2, 4,
 The dense side is the engine's unquantized linear (the kernel-op table's `linear`: the native kernel for a few
 float32 rows, else torch's F.linear: oneDNN's bf16 GEMM or MKL's float32). Each quantized method runs its
 per-call kernel choice ("auto"); `--paths` also times each of its kernels forced at every M (native streaming
-kernel; int8 GEMM on int8 activations; fp8 tiles widened into the dense GEMM), which is how the thresholds
-were picked. Ratio: dense time / method time (above 1: the method is faster). Median of --repeats
-interleaved runs; the weights are random (speed does not depend on their values).
+kernel; int8 GEMM on int8 activations; fp8's GEMM path: bf16-dot tiles for bf16 activations on AVX512_BF16, else
+tiles widened into the dense GEMM), which is how the thresholds were picked. gptq runs int4's layers (only its
+weights differ), so `int4` stands for both. Ratio: dense time / method time (above 1: the method is faster);
+the table quotes the median of --repeats interleaved runs, `--min` the fastest (robust to a loaded machine).
+The weights are random (speed does not depend on their values). One JSON line: each method's ratio by rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 from common import LARGE_MODEL, emit, environment, interleaved, median, parse_args, print_table
 
-ROWS = (1, 2, 4, 8, 16, 32, 64, 512)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 512)  # decode and batches 1..64, and a prefill chunk
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="activations' and dense weights' dtype (default bfloat16, the engine's on this CPU)")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts (default %(default)s)")
-    parser.add_argument("--methods", default="int8,fp8", help="quantization methods (default %(default)s)")
+    parser.add_argument("--methods", default="int8,fp8,int4", help="quantization methods (default %(default)s)")
     parser.add_argument("--paths", action="store_true", help="also time each kernel forced at every row count")
+    parser.add_argument("--min", action="store_true", help="quote the fastest run of each side, not the median")
 
 
 def layer_shapes(model_dir: Any) -> dict[str, tuple[int, int]]:
@@ -49,6 +53,7 @@ def builders(dtype: Any) -> dict[str, Callable[[Any], Callable[[Any], Any]]]:
     from ember.plugins import PluginHost
     from ember_platform.api import KernelOps, Linear
     from ember_plugins.quantization.fp8 import Fp8Linear
+    from ember_plugins.quantization.int4 import Int4Linear, quantize_rtn
     from ember_plugins.quantization.int8 import Int8Linear
 
     ops = KernelOps.from_plugins(PluginHost())  # the table an engine builds its model with
@@ -66,7 +71,9 @@ def builders(dtype: Any) -> dict[str, Callable[[Any], Callable[[Any], Any]]]:
         "int8:gemm": lambda w: Int8Linear(w, None, "native", 0),
         "fp8": lambda w: Fp8Linear(w, None),
         "fp8:native": lambda w: Fp8Linear(w, None, "native", -1),
-        "fp8:tiled": lambda w: Fp8Linear(w, None, "native", 0),
+        "fp8:gemm": lambda w: Fp8Linear(w, None, "native", 0),  # bf16_gemm for bf16 x on AVX512_BF16, else tiled
+        # gptq runs int4's layers (its weights differ, not its kernel): int4 stands for both here.
+        "int4": lambda w: Int4Linear(quantize_rtn(w, 128)),
     }
 
 
@@ -101,18 +108,21 @@ def main() -> None:
             reps = max(2, 64 // m) if not args.quick else 2
             runs = interleaved({s: (lambda s=s, x=x, reps=reps: time_layers(layers[s], x, reps)) for s in sides},
                                args.repeats)
-            med = {s: median(v) for s, v in runs.items()}
+            med = {s: (min(v) if args.min else median(v)) for s, v in runs.items()}
             ratios = {s: med["dense"] / med[s] for s in sides if s != "dense"}
             table.append([m, f"{med['dense'] * 1e6:.0f}", *(f"{med[s] * 1e6:.0f} ({ratios[s]:.2f}x)"
                                                             for s in sides[1:])])
             record_rows.append({"rows": m, "dense_us": round(med["dense"] * 1e6, 1),
                                 **{f"{s}_ratio": round(r, 3) for s, r in ratios.items()}})
+    statistic = "fastest" if args.min else "median"
     print(f"model shapes {args.model} ({', '.join(f'{k} {v[0]}x{v[1]}' for k, v in shapes.items())}), "
-          f"dtype {args.dtype}, {args.threads} threads, median of {args.repeats} interleaved runs\n")
+          f"dtype {args.dtype}, {args.threads} threads, {statistic} of {args.repeats} interleaved runs, "
+          f"load average {os.getloadavg()[0]:.2f}\n")
     print_table(["rows", "dense us", *(f"{s} us (dense/it)" for s in sides[1:])], table)
     worst = {s: min(r[f"{s}_ratio"] for r in record_rows) for s in methods}
     print("\nslowest ratio vs dense over the rows: " + ", ".join(f"{s} {v:.2f}x" for s, v in worst.items()))
     emit(f"quantized-linear-{args.dtype}", {"rows": record_rows, "worst": worst, "dtype": args.dtype,
+                                            "statistic": statistic,
                                             "shapes": shapes, **environment(args)}, args.results)
 
 

@@ -29,6 +29,7 @@ _LINEAR_ARGTYPES = [_PTR, _INT, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _INT]
 _WIDEN_ARGTYPES = [_PTR, _INT, _PTR, _INT, _I64, _INT]
 _QUANTIZE_ROWS_ARGTYPES = [_PTR, _INT, _PTR, _PTR, _I64, _I64, _INT]
 _SCALE_ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _INT, _I64, _I64, _INT]
+_BF16_GEMM_ARGTYPES = [_PTR, _PTR, _INT, _PTR, _PTR, _INT, _I64, _I64, _I64, _INT]
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write as is
 _KINDS = {torch.int8: 0, torch.float8_e4m3fn: 1}
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -123,6 +124,37 @@ def tiled_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         # The product in the GEMM's dtype, then the channel scales in float32 (promotion) and one rounding.
         torch.mul(torch.mm(x, tile.T), scale[n0:n1], out=y[:, n0:n1])
     return y
+
+
+def bf16_gemm_available() -> bool:
+    """Whether `bf16_gemm` runs here: the native library built for a CPU with AVX512_BF16."""
+    fn = native_function("ember_bf16_gemm_available", [])
+    return fn is not None and bool(fn())  # type: ignore[operator]
+
+
+def bf16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
+    """x [M, K] bfloat16 @ (qweight [N, K] int8 or float8_e4m3fn * scale [N]).T -> [M, N] in `out_dtype`, with
+    the weights widened exactly to bf16 a tile at a time and AVX512_BF16 dot products (float32 sums, one chain
+    per output in k order: a row's result never depends on its batch). None where it cannot run (no
+    AVX512_BF16, or x not bfloat16: rounding float32 activations to bf16 would change the map)."""
+    if x.dtype != torch.bfloat16 or not bf16_gemm_available():
+        return None
+    kind = _KINDS.get(qweight.dtype)
+    if kind is None:
+        raise ValueError(f"bf16_gemm needs int8 or float8_e4m3fn weights, got {qweight.dtype}")
+    _check(x, qweight, scale, qweight.dtype, "bf16_gemm")
+    fn = native_function("ember_bf16_gemm", _BF16_GEMM_ARGTYPES)
+    x = x.contiguous()
+    kernel_dtype = out_dtype if out_dtype in _NATIVE_DTYPES else torch.float32
+    y = torch.empty(x.shape[0], qweight.shape[0], dtype=kernel_dtype)
+    if x.shape[0] == 0:
+        return y.to(out_dtype)
+    rc = fn(x.data_ptr(), qweight.data_ptr(), kind, scale.data_ptr(), y.data_ptr(),  # type: ignore[misc]
+            kernel_dtype == torch.bfloat16, x.shape[0], qweight.shape[0], qweight.shape[1], torch.get_num_threads())
+    if rc != 0:
+        return None
+    return y if kernel_dtype == out_dtype else y.to(out_dtype)
 
 
 def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
