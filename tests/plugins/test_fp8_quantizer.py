@@ -12,7 +12,14 @@ import torch
 import torch.nn.functional as F
 
 import ember_plugins.quantization.fp8 as fp8_module
-from ember_kernels.cpu.quantized_linear import E4M3_MAX, fp8_linear_available
+from ember_kernels.cpu.quantized_linear import (
+    E4M3_MAX,
+    bf16_gemm,
+    bf16_gemm_available,
+    fp8_linear,
+    fp8_linear_available,
+    tiled_linear,
+)
 from ember_platform import LLM, SamplingParams
 from ember_platform.api import UNQUANTIZED, QuantizationError
 from ember_platform.engine.calibration import run_prefill
@@ -73,6 +80,25 @@ def test_a_row_does_not_depend_on_its_batch_on_the_native_path() -> None:
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(2))
     x[1] *= 1000
     assert torch.equal(layer(x), torch.cat([layer(x[i:i + 1]) for i in range(6)]))
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_choose_the_kernel_at_the_measured_threshold(dtype: torch.dtype) -> None:
+    # At the threshold the streaming kernel, one row above it the GEMM path: bf16_gemm for bf16 activations on an
+    # AVX512_BF16 CPU, else the tiled GEMM; each equal to calling that kernel directly.
+    weight, _ = layer_weights(100, 96)
+    layer = Fp8Linear(weight.to(dtype), None)
+    threshold = TILED_THRESHOLD[dtype]
+    x = torch.randn(threshold + 1, 96, generator=torch.Generator().manual_seed(5)).to(dtype)
+    assert torch.equal(layer(x[:threshold]), fp8_linear(x[:threshold], layer.weight, layer.weight_scale, dtype))
+    gemm = bf16_gemm(x, layer.weight, layer.weight_scale, dtype)
+    if gemm is None:
+        assert dtype == torch.float32 or not bf16_gemm_available()
+        gemm = tiled_linear(x, layer.weight, layer.weight_scale, dtype)
+    assert torch.equal(layer(x), gemm)
+    if dtype == torch.bfloat16 and bf16_gemm_available():  # and a row's result never depends on its batch there
+        assert torch.equal(layer(x)[-1:], bf16_gemm(x[-1:], layer.weight, layer.weight_scale, dtype))
 
 
 def prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
