@@ -458,7 +458,8 @@ def _manifest_options(manifest: Manifest, kind: str) -> dict[str, Any]:
     options = dict(getattr(section, "options", {}) or {})
     if kind == "speculator" and manifest.speculator.method != NONE:
         options.setdefault("num_speculative_tokens", manifest.speculator.num_speculative_tokens)
-        options.setdefault("max_batch_size", manifest.speculator.max_batch_size)
+        if manifest.speculator.max_batch_size is not None:  # a ceiling only when set
+            options.setdefault("max_batch_size", manifest.speculator.max_batch_size)
     if kind == "parallelism":
         options = {"tensor_parallel": manifest.parallelism.tensor_parallel,
                    "expert_parallel": manifest.parallelism.expert_parallel}

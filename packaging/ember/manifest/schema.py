@@ -165,7 +165,9 @@ class SpeculatorSection(Section):
 
     method: str = Field(NONE, description="A speculator plugin's name (e.g. \"ngram\"), \"auto\" or \"none\".")
     num_speculative_tokens: int = Field(4, description="Tokens proposed per step, 1 to 16.")
-    max_batch_size: int = Field(8, ge=1, description="Speculation is off while more sequences than this run.")
+    max_batch_size: int | None = Field(None, ge=1, description="A ceiling: no drafts while more sequences than this "
+                                       "run. Unset (the default): no ceiling; the measured cost of drafting at the "
+                                       "current batch size decides (adaptive), and drafts stop where they do not pay.")
     adaptive: bool = Field(True, description="Choose each step's draft length (0 to num_speculative_tokens) from "
                            "measured acceptance and the measured cost of a target pass at the current batch size, so "
                            "that speculation never slows decoding down; false: always num_speculative_tokens.")

@@ -19,7 +19,7 @@ from ember_platform.engine.step_plan import StepOutput, StepPlan
 class SpecDecoder:
     """Drives one speculator for an engine."""
 
-    def __init__(self, speculator: Speculator, *, num_speculative_tokens: int, max_batch_size: int,
+    def __init__(self, speculator: Speculator, *, num_speculative_tokens: int, max_batch_size: int | None,
                  max_model_len: int, num_layers: int, adaptive: bool = True) -> None:
         self.speculator = speculator
         self.k = num_speculative_tokens
@@ -74,12 +74,15 @@ class SpecDecoder:
     def propose(self, batch: Sequence[Request], plan: StepPlan, output: StepOutput, num_kept: list[int],
                 num_accepted: list[int], num_running: int) -> None:
         """Ask the speculator for the next drafts of this step's requests (`spec_token_ids`, verified next step)."""
-        # Large batches are compute-bound: drafts would cost more than they save. Requests that asked for logprobs
-        # get none (verification would need each position's logprobs), nor do those still in their prefill, nor
-        # structured ones (their grammar masks each position: see structured_output.py).
-        eligible = [i for i, r in enumerate(batch)
-                    if r.status == RequestStatus.RUNNING and r.params.logprobs is None and r.params.structured is None
-                    and r.num_computed_tokens == r.num_tokens - 1] if num_running <= self.max_batch_size else []
+        # Requests that asked for logprobs get no drafts (verification would need each position's logprobs), nor do
+        # those still in their prefill, nor structured ones (their grammar masks each position: see
+        # structured_output.py). Whether drafts pay at this batch size is measured (self.length); a user's
+        # [speculator] max_batch_size is only a ceiling above that.
+        over_ceiling = self.max_batch_size is not None and num_running > self.max_batch_size
+        eligible = [] if over_ceiling else [
+            i for i, r in enumerate(batch)
+            if r.status == RequestStatus.RUNNING and r.params.logprobs is None and r.params.structured is None
+            and r.num_computed_tokens == r.num_tokens - 1]
         # How many drafts pay at this batch size (spec_length.py); with none, the speculator still sees the step.
         other_tokens = plan.num_tokens - sum(plan.query_lens[i] for i in eligible)  # prefill chunks, mostly
         k = self.length.choose(len(eligible), other_tokens) if eligible else 0

@@ -22,7 +22,9 @@ the formula above).
 
 It then picks `argmax_k B * E(k) / (T(other + B * (k + 1)) + D(k))` for B decoding requests. Measurements decay
 (the load changes), and a step now and then drafts the full k, so that acceptance and the cost of wide passes
-stay measured even while they do not pay.
+stay measured even while they do not pay, and one now and then drafts none (as does the first step at a width
+whose plain pass was never measured), so that what speculation is compared with stays measured too. There is no
+batch-size cut-off: `[speculator] max_batch_size` is an optional ceiling a user may set above this.
 """
 
 from __future__ import annotations
@@ -169,6 +171,12 @@ class SpeculationLength:
         if self._steps <= WARMUP_STEPS or self._steps % PROBE_EVERY == 0:
             self.k = self.max_k
             return self.k
+        # A pass without drafts at this width never measured (warm-up drafts the full k), or not for a while: run
+        # one. Below the narrowest width measured the cost model assumes that width's cost, which would make
+        # drafting look free; one plain step now and then keeps the comparison with no speculation measured.
+        if not self.cost.measured(other_tokens + num_decoding) or self._steps % PROBE_EVERY == PROBE_EVERY // 2:
+            self.k = 0
+            return 0
         best_k, best_rate = 0, 0.0
         for k in range(self.max_k + 1):
             seconds = self.cost.predict(other_tokens + num_decoding * (k + 1))

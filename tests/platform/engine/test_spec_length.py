@@ -109,3 +109,51 @@ def test_the_engine_drafts_what_pays_reports_it_and_keeps_greedy_output() -> Non
     assert 0 <= stats["spec_num_speculative_tokens"] <= 4
     length = spec.engine.spec.length
     assert length.cost.measured(1) and length.num_verified > 0  # it measured the passes it chose from
+
+
+def run_with_cost_model(cost: Callable[[int], float], num_requests: int) -> tuple[LLM, list[int], list[list[int]]]:
+    """The real engine (ngram, k = 4, no batch-size ceiling) deciding from a deterministic cost model: each step's
+    measured seconds are replaced by `cost(scheduled tokens)`, so the choice depends on nothing but the model."""
+    spec = LLM(str(EXAMPLE), speculator="ngram", num_speculative_tokens=4, max_num_seqs=num_requests)
+    decoder = spec.engine.spec
+    assert decoder.max_batch_size is None  # the default: no static cut-off, the measurement decides
+    record_step, choose = decoder.record_step, decoder.length.choose
+    decoder.record_step = lambda num_tokens, seconds, *a, **kw: record_step(num_tokens, cost(num_tokens), *a, **kw)
+    decoder.length.record_draft = lambda k, seconds: None  # prompt lookup: free
+    chosen: list[int] = []
+    decoder.length.choose = lambda *a, **kw: chosen.append(choose(*a, **kw)) or chosen[-1]  # type: ignore[func-returns-value]
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    return spec, chosen, [o.token_ids for o in spec.generate([REPETITIVE] * num_requests, params)]
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_the_engine_stops_drafting_where_a_cost_model_says_it_does_not_pay(batch: int) -> None:
+    plain = LLM(str(EXAMPLE)).generate([REPETITIVE], SamplingParams(temperature=0, max_tokens=120,
+                                                                    ignore_eos=True))[0].token_ids
+    # Weight-bound (a pass costs the same whatever its width): the drafts, mostly accepted on this prompt, pay.
+    _, flat, outputs = run_with_cost_model(lambda tokens: 0.010, batch)
+    assert outputs == [plain] * batch
+    steady = flat[WARMUP_STEPS + 1:]
+    assert steady.count(4) >= 0.8 * len(steady), flat
+    # Compute-bound (cost in proportion to tokens): k + 1 times the cost for fewer than k + 1 tokens never pays,
+    # at batch 1 as at 16: k falls to 0 but for the periodic probes, and greedy output is unchanged.
+    spec, proportional, outputs = run_with_cost_model(lambda tokens: 0.001 * tokens, batch)
+    assert outputs == [plain] * batch
+    steady = proportional[WARMUP_STEPS:]
+    assert steady.count(0) >= len(steady) - len(steady) // PROBE_EVERY - 1, proportional
+    assert spec.engine.stats()["spec_num_speculative_tokens"] == 0
+
+
+def test_a_plain_pass_is_measured_before_drafting_is_judged_free() -> None:
+    # A speculator that always drafts the full k (Medusa) leaves only wide passes measured after the warm-up; below
+    # the narrowest measured width the cost model assumes that width's cost, so without a plain step to compare
+    # with, drafting would look free forever.
+    length = SpeculationLength(4)
+    chosen = []
+    for _ in range(WARMUP_STEPS + 40):
+        k = length.choose(1)
+        chosen.append(k)
+        length.record_step(1 + k, 0.001 * (1 + k))  # compute-bound: drafts cost what they would save and more
+        length.record_verified(k, min(k, 2))
+    assert chosen[:WARMUP_STEPS] == [4] * WARMUP_STEPS
+    assert chosen[WARMUP_STEPS:] == [0] * 40  # the first to measure a plain pass, the rest because it is faster
