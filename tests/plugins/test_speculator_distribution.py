@@ -16,6 +16,10 @@ SPECULATORS: dict[str, dict[str, object]] = {
     # min_ngram 1: the prompt's " self" is followed by ".get", so most requests get drafts, about 2/3 accepted
     "ngram": {"num_speculative_tokens": 3, "speculator_options": {"min_ngram": 1}},
     "medusa": {"num_speculative_tokens": 3, "speculator_model": "speculator/medusa"},
+    # Tree verification: the 2nd step's tree is cut to the depth max_tokens leaves (length 3: the root's 3
+    # candidates, siblings; length 4: 3 + 6 nodes), so multi-candidate rejection is what is tested.
+    "medusa-tree": {"speculator": "medusa", "num_speculative_tokens": 15, "speculator_model": "speculator/medusa",
+                    "speculator_options": {"tree": [3, 2, 1]}},
 }
 # Drafts from " self" on: ngram proposes what followed it earlier (".get_value()"), Medusa its heads' guesses.
 PROMPT = "class Point:\n    def get(self):\n        return self.get_value()\n\n    def __repr__(self):\n        return"
@@ -26,7 +30,9 @@ ALPHA = 1e-3  # the draws are seeded, so each test is deterministic; this is how
 
 @pytest.fixture(scope="module", params=list(SPECULATORS))
 def speculative(request: pytest.FixtureRequest, spec_distribution: ModuleType) -> tuple[str, LLM]:
-    return request.param, spec_distribution.speculative_llm(request.param, **SPECULATORS[request.param])
+    overrides = dict(SPECULATORS[request.param])
+    method = str(overrides.pop("speculator", request.param))  # a variant of a speculator names the one it runs
+    return request.param, spec_distribution.speculative_llm(method, **overrides)
 
 
 @pytest.mark.slow
