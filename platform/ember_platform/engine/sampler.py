@@ -224,6 +224,7 @@ class SamplerOutput:
     top_token_ids: torch.Tensor | None  # [N, max_num_logprobs], most likely first
     top_logprobs: torch.Tensor | None  # [N, max_num_logprobs]
     num_logprobs: tuple[int | None, ...]  # what each row asked for
+    probs: torch.Tensor | None = None  # [N, V] what each row was drawn from (`Sampler.probs`), if asked for
 
     def token_logprobs(self) -> list[TokenLogprobs | None]:
         """Per row, what it asked for (None where it asked for no logprobs), with one device sync."""
@@ -273,19 +274,22 @@ class Sampler:
             self._shared[device] = generator
         return self._shared[device]
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """logits: [N, V], any float dtype (computed in float32) -> one token per row, plus logprobs."""
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch, *, keep_probs: bool = False) -> SamplerOutput:
+        """logits: [N, V], any float dtype (computed in float32) -> one token per row, plus logprobs; `keep_probs`:
+        and the distributions `probs` would return (for rejection sampling), without processing the logits twice."""
         self._check(logits, batch)
         logits = logits.float()
         processed = self.process_logits(logits, batch)
-        token_ids = self.sample_from_probs(processed.softmax(dim=-1), batch, greedy_logits=processed)
+        probs = processed.softmax(dim=-1)
+        token_ids = self.sample_from_probs(probs, batch, greedy_logits=processed)
+        kept = self._one_hot_greedy(probs, processed, batch) if keep_probs else None
         logprobs = top_ids = top_lps = None
         if batch.any_logprobs:
             raw = logits.log_softmax(dim=-1)
             logprobs = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
             if batch.max_num_logprobs:
                 top_lps, top_ids = raw.topk(batch.max_num_logprobs, dim=-1)  # sorted, most likely first
-        return SamplerOutput(token_ids, logprobs, top_ids, top_lps, tuple(p.logprobs for p in batch.params))
+        return SamplerOutput(token_ids, logprobs, top_ids, top_lps, tuple(p.logprobs for p in batch.params), kept)
 
     def probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The distribution `sample` draws each row from: [N, V] float32; one-hot at the argmax on greedy rows.
@@ -294,7 +298,10 @@ class Sampler:
         """
         self._check(logits, batch)
         processed = self.process_logits(logits.float(), batch)
-        probs = processed.softmax(dim=-1)
+        return self._one_hot_greedy(processed.softmax(dim=-1), processed, batch)
+
+    @staticmethod
+    def _one_hot_greedy(probs: torch.Tensor, processed: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.greedy.any():
             one_hot = torch.zeros_like(probs).scatter_(1, processed.argmax(dim=-1, keepdim=True), 1.0)
             probs = torch.where(batch.greedy.unsqueeze(1), one_hot, probs)

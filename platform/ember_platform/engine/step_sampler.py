@@ -83,7 +83,10 @@ class StepSampler:
             draft_ids=drafts if any(drafts) else None,
             draft_parents=trees if any_tree else None,
         )
-        out = self.sampler.sample(logits, batch)
+        # Sampled requests' drafts are verified against the distributions sampling draws from: kept from the same
+        # pass over the logits rather than processing them twice.
+        any_rejection = any(d and not r.params.greedy for d, r in zip(drafts, reqs, strict=True))
+        out = self.sampler.sample(logits, batch, keep_probs=any_rejection)
         token_rows = out.token_ids.tolist()
         logprob_rows = out.token_logprobs() if batch.any_logprobs else None
         starts = list(itertools.accumulate(num_rows, initial=0))
@@ -102,7 +105,7 @@ class StepSampler:
         # Sampled drafts are verified by rejection, all requests at once: the output keeps the target's distribution.
         rejected = [i for i, r in enumerate(reqs) if drafts[i] and not r.params.greedy and trees[i] is None]
         rejected_trees = [i for i, r in enumerate(reqs) if drafts[i] and not r.params.greedy and trees[i] is not None]
-        probs = self.sampler.probs(logits, batch) if rejected or rejected_trees else None
+        probs = out.probs
         if rejected:
             verified = rejection_sample(probs, [starts[i] for i in rejected],
                                         [drafts[i] for i in rejected], [draft_probs[i] for i in rejected],
