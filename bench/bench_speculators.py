@@ -1,6 +1,6 @@
 """Every speculator against no speculation, side by side: decode tokens/s and mean accepted length on held-out code.
 
-    python bench/bench_speculators.py [--methods ngram,medusa] [--batches 1,8,32] [--quick] [--repeats 3]
+    python bench/bench_speculators.py [--methods ngram,medusa,eagle3] [--batches 1,8,32] [--quick] [--repeats 3]
 
 Prompts are the starts of the standard-library files the example model never trained on (its held-out split,
 listed in examples/tiny-llama/training.json), so learned drafters (Medusa) are not measured on text they saw.
@@ -13,7 +13,8 @@ adaptively (the engine default: drafts only where measured acceptance and step c
 batch a method should fall back to ~1.0x rather than below it; greedy outputs are compared with "none".
 
 Methods and where their weights come from: `ngram` (none needed), `medusa` (examples/tiny-llama/speculator/medusa,
-made by examples/train_medusa.py). A method whose weights are missing is reported as skipped. `medusa-tree` is
+made by examples/train_medusa.py), `eagle3` (examples/tiny-llama/speculator/eagle3, made by
+examples/train_eagle3.py). A method whose weights are missing is reported as skipped. `medusa-tree` is
 medusa with `options.tree` (--tree, default 3,2,1: top-3 of head 1, top-2 of head 2 under each, top-1 of head 3)
 verified as a tree, with the tree's node count as its node budget (num_speculative_tokens); it is also reported
 against chain medusa.
@@ -31,14 +32,15 @@ from typing import Any
 
 from common import emit, environment, greedy, interleaved, median, parse_args, print_table, run_engine
 
-HEAD_DIRS = {"medusa": "speculator/medusa", "medusa-tree": "speculator/medusa"}
+HEAD_DIRS = {"medusa": "speculator/medusa", "medusa-tree": "speculator/medusa", "eagle3": "speculator/eagle3"}
 VARIANTS = {"medusa-tree": "medusa"}  # bench name -> speculator it runs (with its own options, below)
-TARGETS_BATCH_1 = {"medusa": 1.5, "ngram": 1.5}
+TARGETS_BATCH_1 = {"medusa": 1.5, "ngram": 1.5, "eagle3": 2.0}
 TARGET_LARGE_BATCH = 0.95
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--methods", default="ngram,medusa", help="speculators to compare (default: %(default)s)")
+    parser.add_argument("--methods", default="ngram,medusa,eagle3",
+                        help="speculators to compare (default: %(default)s)")
     parser.add_argument("--batches", default="1,8,32", help="batch sizes (default: %(default)s)")
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens (default 3)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 256, --quick 128)")

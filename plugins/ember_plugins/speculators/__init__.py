@@ -13,3 +13,8 @@ def ember_speculators(register) -> None:
                      "(chain verification, or a top-k-per-head tree with options.tree); the heads come from "
                      "[speculator] model",
              options=("model", "tree"))
+    register("eagle3", "ember_plugins.speculators.eagle3:Eagle3Speculator",
+             summary="EAGLE-3: a one-layer draft transformer on the fusion of the target's low, middle and high "
+                     "hidden states drafts k tokens autoregressively with its own paged KV cache (chain "
+                     "verification); the head comes from [speculator] model",
+             options=("model",))

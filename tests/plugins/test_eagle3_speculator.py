@@ -1,0 +1,188 @@
+"""`eagle3`: the trained head on the example model drafts from the target's low/middle/high hidden states through its
+own paged KV cache; greedy output is exactly the target's (alone, in a batch of 32, under preemption), the drafts
+are really accepted and are what the head computes from the target's hidden states outside the engine, sampled
+requests mix with greedy ones, and bad head directories are refused with the setting named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from ember_platform import LLM, SamplingParams
+from ember_platform.engine.engine import LLMEngine
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama"
+HEAD = "speculator/eagle3"
+PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef main():\n    path = os.path.",
+           "class Stack:\n    def __init__(self):", "for i in range(10):\n    print(i)\nfor j in range(10):\n"]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def eagle3(**overrides: object) -> LLM:
+    return LLM(str(EXAMPLE), speculator="eagle3", speculator_model=HEAD, num_speculative_tokens=3,
+               **{"speculator_adaptive": False, **overrides})
+
+
+@pytest.fixture(scope="module")
+def plain_outputs() -> list[list[int]]:
+    return [out.token_ids for out in LLM(str(EXAMPLE)).generate(PROMPTS, GREEDY)]
+
+
+def test_greedy_output_is_the_targets_and_drafts_are_accepted(plain_outputs: list[list[int]]) -> None:
+    llm = eagle3()
+    assert [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == plain_outputs  # batch 1
+    stats = llm.engine.stats()
+    # The head was trained (examples/train_eagle3.py): most drafts are accepted on this text.
+    assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] / stats["spec_draft_tokens"] > 0.3
+    assert stats["spec_mean_accepted_length"] > 1.8
+
+
+def test_greedy_output_in_a_batch_of_32(plain_outputs: list[list[int]]) -> None:
+    llm = eagle3(max_num_seqs=32, speculator_max_batch_size=32)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
+    outputs = llm.generate(prompts, GREEDY)
+    assert [out.token_ids for out in outputs] == [plain_outputs[i % len(PROMPTS)] for i in range(32)]
+    assert llm.engine.stats()["spec_accepted_tokens"] > 0
+
+
+def test_greedy_output_survives_preemption(plain_outputs: list[list[int]]) -> None:
+    # 9 blocks of 16 tokens cannot hold 4 requests of up to ~60 tokens each: the newest are preempted and recomputed.
+    engine = LLMEngine(EXAMPLE, speculator="eagle3", speculator_model=HEAD, num_speculative_tokens=3,
+                       speculator_adaptive=False, num_kv_blocks=9)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, GREEDY)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+    preempted = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        preempted = max(preempted, max((r.num_preemptions for r in engine.scheduler.running), default=0))
+    assert preempted > 0
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == plain_outputs
+    assert engine.num_accepted_tokens > 0
+
+
+def test_drafting_resumes_after_steps_with_nothing_to_propose_for(plain_outputs: list[list[int]]) -> None:
+    # Above speculator.max_batch_size the head skips its pass (nothing to draft for); once requests finish and the
+    # batch is small again, it drafts around the positions it skipped, and the output is still the target's.
+    llm = eagle3(speculator_max_batch_size=1)
+    prompts = PROMPTS[:2]
+    params = [GREEDY, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+    outputs = llm.generate(prompts, params)
+    assert outputs[0].token_ids == plain_outputs[0]
+    assert outputs[1].token_ids == plain_outputs[1][:20]
+    speculator = llm.engine.speculator
+    assert llm.engine.num_accepted_tokens > 0
+    assert not speculator._gaps  # released with the requests
+
+
+def reference_drafts(draft: torch.nn.Module, hf_model: torch.nn.Module, layers: tuple[int, ...], tokens: list[int],
+                     k: int) -> list[int]:
+    """The head's k greedy drafts after `tokens`, computed from transformers' hidden states with dense attention:
+    every position catches up (the token after it, its fused features), then the chain."""
+    from ember_plugins.speculators.eagle3_model import rope_cos_sin
+
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        out = hf_model(input_ids=ids[:, :-1], output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)  # [P, 3D], positions 0..P-1
+        p, hd = aux.shape[0], draft.head_dim
+        hidden = draft.fuse(aux)
+        embed = hf_model.model.embed_tokens
+        vocab = draft.draft_vocab
+        head = hf_model.lm_head.weight[vocab]
+        cos, sin = rope_cos_sin(torch.arange(p), hd, 10_000.0, torch.float32)
+        q, keys, values = draft.qkv(embed(ids[0, 1:]), hidden, cos, sin)
+        attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                              values.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+        h = draft.finish(attn[0].transpose(0, 1).reshape(p, -1), hidden)[-1:]
+        drafts = [int(vocab[F.linear(draft.logits_input(h), head).argmax()])]
+        for j in range(1, k):
+            cos, sin = rope_cos_sin(torch.tensor([p - 1 + j]), hd, 10_000.0, torch.float32)
+            qj, kj, vj = draft.qkv(embed(torch.tensor(drafts[-1:])), h, cos, sin)
+            keys, values = torch.cat([keys, kj]), torch.cat([values, vj])
+            o = F.scaled_dot_product_attention(qj.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                               values.transpose(0, 1)[None], enable_gqa=True)
+            h = draft.finish(o[0].transpose(0, 1).reshape(1, -1), h)
+            drafts.append(int(vocab[F.linear(draft.logits_input(h), head).argmax()]))
+    return drafts
+
+
+def test_the_engine_drafts_what_the_head_computes_from_the_targets_hidden_states() -> None:
+    from transformers import LlamaForCausalLM
+
+    llm = eagle3(enable_prefix_caching=False)
+    speculator = llm.engine.speculator
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = speculator.propose
+
+    def recording(inputs):  # the engine's call, observed
+        proposals = propose(inputs)
+        for req, proposal in zip(inputs.requests, proposals, strict=True):
+            if proposal is not None and len(proposal.token_ids) == 3:
+                seen.append((list(req.all_token_ids), list(proposal.token_ids)))
+        return proposals
+
+    speculator.propose = recording
+    llm.generate(PROMPTS[:2], GREEDY)
+    hf_model = LlamaForCausalLM.from_pretrained(EXAMPLE / "weights", dtype=torch.float32).eval()
+    assert len(seen) > 10
+    checked = seen[::max(1, len(seen) // 12)]
+    same = [reference_drafts(speculator.draft.float(), hf_model, speculator.aux_layers(), tokens, 3) == drafts
+            for tokens, drafts in checked]
+    assert sum(same) >= len(same) - 1, same  # float32 differences may flip one near-tie argmax, not more
+
+
+def test_sampled_requests_mix_with_greedy_ones_in_a_batch(plain_outputs: list[list[int]]) -> None:
+    llm = eagle3()
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=7, max_tokens=40, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, [GREEDY, sampled, GREEDY, sampled])
+    assert outputs[0].token_ids == plain_outputs[0] and outputs[2].token_ids == plain_outputs[2]
+    assert all(len(out.token_ids) == 40 for out in outputs)
+    again = eagle3().generate(PROMPTS, [GREEDY, sampled, GREEDY, sampled])
+    assert [o.token_ids for o in again] == [o.token_ids for o in outputs]  # seeded: reproducible
+
+
+def copy_package(tmp_path: Path) -> Path:
+    package = tmp_path / "pkg"
+    shutil.copytree(EXAMPLE, package, ignore=shutil.ignore_patterns("__pycache__"))
+    return package
+
+
+def test_heads_for_another_model_or_broken_ones_are_refused(tmp_path: Path) -> None:
+    package = copy_package(tmp_path)
+    config_path = package / HEAD / "config.json"
+    config = json.loads(config_path.read_text())
+
+    def build() -> LLM:
+        return LLM(str(package), speculator="eagle3", speculator_model=HEAD, num_speculative_tokens=2)
+
+    with pytest.raises(ValueError, match=r"speculator\.model: eagle3 needs the directory of its draft head"):
+        LLM(str(package), speculator="eagle3", num_speculative_tokens=2)
+    for key, value, message in (("hidden_size", 512, "trained for hidden_size 512, the model has 256"),
+                                ("vocab_size", 32000, "trained for vocab_size 32000, the model has 4096"),
+                                ("num_target_layers", 32, "trained for num_target_layers 32, the model has 4"),
+                                ("aux_layers", [1, 2, 9], r"aux_layers must be three layer indices in 0\.\.3"),
+                                ("architecture", "medusa", "does not describe an EAGLE-3 head")):
+        config_path.write_text(json.dumps({**config, key: value}))
+        with pytest.raises(ValueError, match=f"speculator\\.model: .*{message}") as info:
+            build()
+        assert "config.json" in str(info.value) or key != "architecture"
+    config_path.write_text(json.dumps({**config, "intermediate_size": 100}))
+    with pytest.raises(ValueError, match=r"speculator\.model: .*eagle3\.safetensors does not match its config"):
+        build()
+    config_path.write_text(json.dumps(config))
+    (package / HEAD / "eagle3.safetensors").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match=r"speculator\.model: cannot read the EAGLE-3 head's weights"):
+        build()
+    shutil.rmtree(package / HEAD)
+    with pytest.raises(ValueError, match=r"speculator\.model: cannot read the EAGLE-3 head's .*config\.json"):
+        build()
+    with pytest.raises(Exception, match=r"speculator\.options\.tree"):
+        LLM(str(EXAMPLE), speculator="eagle3", speculator_model=HEAD, num_speculative_tokens=2,
+            speculator_options={"tree": [4, 2]})
