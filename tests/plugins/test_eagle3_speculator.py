@@ -186,3 +186,68 @@ def test_heads_for_another_model_or_broken_ones_are_refused(tmp_path: Path) -> N
     with pytest.raises(Exception, match=r"speculator\.options\.tree"):
         LLM(str(EXAMPLE), speculator="eagle3", speculator_model=HEAD, num_speculative_tokens=2,
             speculator_options={"tree": [4, 2]})
+
+
+def processed(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The target's sampling distribution as the engine processes it: temperature, then top-k, then top-p."""
+    x = logits.float() / temperature  # float32, as the engine: the same tokens fall at the top-p boundary
+    kth = x.topk(top_k).values[-1]
+    x = x.masked_fill(x < kth, float("-inf"))
+    sorted_x, order = x.sort()
+    drop = sorted_x.softmax(-1).cumsum(-1) <= 1 - top_p
+    drop[-1] = False
+    x = torch.empty_like(x).scatter_(0, order, sorted_x.masked_fill(drop, float("-inf")))
+    return x.double().softmax(-1)
+
+
+def chi_square_p_value(observed: list[int], expected: list[float]) -> tuple[float, int]:
+    """Pearson's statistic's upper-tail p-value (Wilson-Hilferty), bins with expected count < 5 pooled into one."""
+    pooled_o, pooled_e, o_rest, e_rest = [], [], 0, 0.0
+    for o, e in zip(observed, expected, strict=True):
+        if e >= 5:
+            pooled_o.append(o)
+            pooled_e.append(e)
+        else:
+            o_rest, e_rest = o_rest + o, e_rest + e
+    if e_rest > 0:
+        pooled_o.append(o_rest)
+        pooled_e.append(e_rest)
+    stat = sum((o - e) ** 2 / e for o, e in zip(pooled_o, pooled_e, strict=True))
+    dof = len(pooled_o) - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / (2 / (9 * dof)) ** 0.5
+    return 0.5 * torch.erfc(torch.tensor(z / 2 ** 0.5, dtype=torch.float64)).item(), dof
+
+
+def test_sampled_tokens_keep_the_targets_distribution_with_top_k_and_top_p() -> None:
+    """2400 seeded requests of 4 tokens: token 1 comes from the prefill, tokens 2 and 3 from verifying the head's
+    sampled drafts (rejection sampling). Given the most frequent first token(s), the counts of the next token must
+    follow the target's own processed distribution, computed exactly with transformers (chi-square, p > 0.001)."""
+    from transformers import LlamaForCausalLM
+
+    temperature, top_k, top_p, n = 1.0, 40, 0.9, 2400
+    llm = eagle3(max_num_seqs=64, speculator_max_batch_size=64)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=1000 + i, max_tokens=4,
+                             ignore_eos=True) for i in range(n)]
+    outputs = llm.generate(["import os\n\n\ndef"] * n, params)
+    stats = llm.engine.stats()
+    assert stats["spec_draft_tokens"] > n and stats["spec_accepted_tokens"] > 0.2 * stats["spec_draft_tokens"]
+    prompt = outputs[0].prompt_token_ids
+    hf_model = LlamaForCausalLM.from_pretrained(EXAMPLE / "weights", dtype=torch.float32).eval()
+    checked = 0
+    for depth in (1, 2):  # token 2 given token 1; token 3 given tokens 1 and 2
+        prefixes: dict[tuple[int, ...], list[int]] = {}
+        for out in outputs:
+            prefixes.setdefault(tuple(out.token_ids[:depth]), []).append(out.token_ids[depth])
+        prefix, nexts = max(prefixes.items(), key=lambda item: len(item[1]))
+        assert len(nexts) >= 200, (depth, len(nexts))
+        with torch.no_grad():
+            logits = hf_model(input_ids=torch.tensor([prompt + list(prefix)])).logits[0, -1]
+        p = processed(logits, temperature, top_k, top_p)
+        support = p.nonzero().squeeze(1).tolist()
+        assert set(nexts) <= set(support)  # nothing outside top-k / top-p is ever emitted
+        counts = torch.bincount(torch.tensor(nexts), minlength=p.numel())
+        p_value, dof = chi_square_p_value([int(counts[t]) for t in support],
+                                          [float(p[t]) * len(nexts) for t in support])
+        assert dof >= 3 and p_value > 1e-3, (depth, prefix, p_value, dof)
+        checked += 1
+    assert checked == 2
