@@ -17,7 +17,8 @@ made by examples/train_medusa.py), `eagle3` (examples/tiny-llama/speculator/eagl
 examples/train_eagle3.py). A method whose weights are missing is reported as skipped. `medusa-tree` is
 medusa with `options.tree` (--tree, default 3,2,1: top-3 of head 1, top-2 of head 2 under each, top-1 of head 3)
 verified as a tree, with the tree's node count as its node budget (num_speculative_tokens); it is also reported
-against chain medusa.
+against chain medusa. `eagle3-tree` is eagle3's dynamic tree (--eagle-tree top-k,depth, default 3,4; node budget
+--eagle-tree-budget, default 8).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from typing import Any
 
 from common import emit, environment, greedy, interleaved, median, parse_args, print_table, run_engine
 
-HEAD_DIRS = {"medusa": "speculator/medusa", "medusa-tree": "speculator/medusa", "eagle3": "speculator/eagle3"}
-VARIANTS = {"medusa-tree": "medusa"}  # bench name -> speculator it runs (with its own options, below)
+HEAD_DIRS = {"medusa": "speculator/medusa", "medusa-tree": "speculator/medusa", "eagle3": "speculator/eagle3",
+             "eagle3-tree": "speculator/eagle3"}
+VARIANTS = {"medusa-tree": "medusa", "eagle3-tree": "eagle3"}  # bench name -> speculator it runs (options below)
 TARGETS_BATCH_1 = {"medusa": 1.5, "ngram": 1.5, "eagle3": 2.0}
 TARGET_LARGE_BATCH = 0.95
 
@@ -46,6 +48,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 256, --quick 128)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 128, --quick 48)")
     parser.add_argument("--tree", default="3,2,1", help="medusa-tree's top-k per head (default: %(default)s)")
+    parser.add_argument("--eagle-tree", default="3,4", help="eagle3-tree's top-k,depth (default: %(default)s)")
+    parser.add_argument("--eagle-tree-budget", type=int, default=8, help="eagle3-tree's node budget (default 8)")
 
 
 def held_out_prompts(tokenizer: Any, model: Path, prompt_len: int) -> list[list[int]]:
@@ -81,6 +85,10 @@ def main() -> None:
             tree = [int(k) for k in args.tree.split(",")]
             overrides["speculator_options"] = {"tree": tree}
             overrides["num_speculative_tokens"] = sum(math.prod(tree[:d + 1]) for d in range(len(tree)))
+        if method == "eagle3-tree":
+            top_k, depth = (int(v) for v in args.eagle_tree.split(","))
+            overrides["speculator_options"] = {"tree_top_k": top_k, "tree_depth": depth}
+            overrides["num_speculative_tokens"] = args.eagle_tree_budget
         if method in HEAD_DIRS:
             if not (args.model / HEAD_DIRS[method]).is_dir():
                 skipped[method] = f"no {HEAD_DIRS[method]} in {args.model}"

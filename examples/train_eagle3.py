@@ -154,6 +154,12 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=None, help="MLP width (default: the target's)")
     parser.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB, help="draft vocabulary (default 1024)")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: the package's)")
+    parser.add_argument("--lr", type=float, default=LEARNING_RATE, help="peak learning rate (default %(default)s)")
+    parser.add_argument("--first-step-share", type=float, default=0.0,
+                        help="share of the budget spent on draft position 1 alone (no unrolling) before the full "
+                             "training-time test: 3x more updates for the position that matters most")
+    parser.add_argument("--cache", type=Path, default=None,
+                        help="a file to keep the windows and the target's features in (made if missing, else read)")
     args = parser.parse_args()
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
@@ -173,16 +179,25 @@ def main() -> None:
     train_files, held_out_files = training_files()
     t0 = time.perf_counter()
     scale = 4 if args.quick else 1
-    train_text = encode_files(tokenizer, train_files)
-    held_text = encode_files(tokenizer, held_out_files)
-    train = torch.cat([pick_windows(train_text, TRAIN_TEXT_WINDOWS // scale, SEED),
-                       generate(model, pick_windows(train_text, TRAIN_GENERATED_WINDOWS // scale, SEED + 1))])
-    held_generated = generate(model, pick_windows(held_text, HELD_GENERATED_WINDOWS // scale, SEED + 2))
-    held_plain = pick_windows(held_text, HELD_TEXT_WINDOWS // scale, SEED + 3)
-    print(f"generated continuations in {time.perf_counter() - t0:.0f} s", flush=True)
-    train_aux, train_choices = features(model, train, layers)
-    gen_aux, gen_choices = features(model, held_generated, layers)
-    plain_aux, plain_choices = features(model, held_plain, layers)
+    if args.cache is not None and args.cache.is_file():
+        data = torch.load(args.cache)
+    else:
+        train_text = encode_files(tokenizer, train_files)
+        held_text = encode_files(tokenizer, held_out_files)
+        data = {"train": torch.cat([pick_windows(train_text, TRAIN_TEXT_WINDOWS // scale, SEED),
+                                    generate(model, pick_windows(train_text, TRAIN_GENERATED_WINDOWS // scale,
+                                                                 SEED + 1))]),
+                "held_generated": generate(model, pick_windows(held_text, HELD_GENERATED_WINDOWS // scale, SEED + 2)),
+                "held_plain": pick_windows(held_text, HELD_TEXT_WINDOWS // scale, SEED + 3)}
+        print(f"generated continuations in {time.perf_counter() - t0:.0f} s", flush=True)
+        for name in ("train", "held_generated", "held_plain"):
+            data[f"{name}_aux"], data[f"{name}_choices"] = features(model, data[name], layers)
+        if args.cache is not None:
+            torch.save(data, args.cache)
+    train, held_generated, held_plain = data["train"], data["held_generated"], data["held_plain"]
+    train_aux, train_choices = data["train_aux"], data["train_choices"]
+    gen_aux, gen_choices = data["held_generated_aux"], data["held_generated_choices"]
+    plain_aux, plain_choices = data["held_plain_aux"], data["held_plain_choices"]
     feature_seconds = time.perf_counter() - t0
     print(f"features of {train.numel():,} + {held_generated.numel() + held_plain.numel():,} positions in "
           f"{feature_seconds:.0f} s", flush=True)
@@ -200,21 +215,23 @@ def main() -> None:
                         getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
                         args.intermediate or cfg.intermediate_size, cfg.rms_norm_eps, len(layers), len(vocab))
     draft.draft_vocab.copy_(vocab)
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=LEARNING_RATE, weight_decay=0.0)  # the buffer stays
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.0)  # the buffer stays
     generator = torch.Generator().manual_seed(SEED)
     weights_per_step = [STEP_WEIGHT ** j for j in range(args.steps)]
     steps, started, loss = 0, time.perf_counter(), torch.tensor(0.0)
     while (elapsed := time.perf_counter() - started) < minutes * 60:
         progress = elapsed / (minutes * 60)
         for group in optimizer.param_groups:  # short warm-up, then cosine to a tenth
-            group["lr"] = LEARNING_RATE * min(1.0, (steps + 1) / 20) * (0.55 + 0.45 * math.cos(math.pi * progress))
+            group["lr"] = args.lr * min(1.0, (steps + 1) / 20) * (0.55 + 0.45 * math.cos(math.pi * progress))
         rows = torch.randint(len(train), (BATCH,), generator=generator)
         t, a, c = train[rows], train_aux[rows], train_choices[rows]
-        logits = unrolled(draft, embed, head, t, a, theta, args.steps)
+        unroll = 1 if progress < args.first_step_share else args.steps
+        logits = unrolled(draft, embed, head, t, a, theta, unroll)
         labels = to_draft[c[:, 1:]]  # position p predicts the target's choice at p + 1 (ignored if not draftable)
         loss = sum(w * F.cross_entropy(lg[:, j:].reshape(-1, lg.shape[-1]), labels[:, j:].reshape(-1),
                                        ignore_index=-100)
-                   for j, (w, lg) in enumerate(zip(weights_per_step, logits, strict=True))) / sum(weights_per_step)
+                   for j, (w, lg) in enumerate(zip(weights_per_step[:unroll], logits, strict=True))) \
+            / sum(weights_per_step[:unroll])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -242,8 +259,9 @@ def main() -> None:
               "rms_norm_eps": cfg.rms_norm_eps, "draft_vocab_size": len(vocab), "uses_target_embeddings": True,
               "uses_target_lm_head": True}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    training = {"steps": steps, "unrolled_draft_positions": args.steps, "batch_windows": BATCH, "seq_len": SEQ_LEN,
-                "learning_rate": LEARNING_RATE, "train_positions": int(train.numel()),
+    training = {"steps": steps, "unrolled_draft_positions": args.steps,
+                "first_step_share": args.first_step_share, "batch_windows": BATCH, "seq_len": SEQ_LEN,
+                "learning_rate": args.lr, "train_positions": int(train.numel()),
                 "draft_vocab_coverage": round(coverage, 4),
                 "feature_seconds": round(feature_seconds), "train_seconds": round(train_seconds),
                 "final_loss": round(float(loss.detach()), 4),

@@ -56,7 +56,8 @@ def test_manifest_loads() -> None:
 def test_package_builds_and_verifies(package_copy: Path) -> None:
     lock = build_package(package_copy)
     assert sorted(f.path for f in lock.files) == [
-        "README.md", "ember.toml", "hooks.py", "speculator/medusa/config.json",
+        "README.md", "ember.toml", "hooks.py", "speculator/eagle3/config.json",
+        "speculator/eagle3/eagle3.safetensors", "speculator/eagle3/training.json", "speculator/medusa/config.json",
         "speculator/medusa/medusa.safetensors", "speculator/medusa/training.json", "training.json",
         "weights/config.json", "weights/generation_config.json", "weights/model.safetensors", "weights/tokenizer.json",
         "weights/tokenizer_config.json",

@@ -15,6 +15,6 @@ def ember_speculators(register) -> None:
              options=("model", "tree"))
     register("eagle3", "ember_plugins.speculators.eagle3:Eagle3Speculator",
              summary="EAGLE-3: a one-layer draft transformer on the fusion of the target's low, middle and high "
-                     "hidden states drafts k tokens autoregressively with its own paged KV cache (chain "
-                     "verification); the head comes from [speculator] model",
-             options=("model",))
+                     "hidden states drafts k tokens autoregressively with its own paged KV cache (a chain, or a "
+                     "dynamic tree with options.tree_top_k); the head comes from [speculator] model",
+             options=("model", "tree_top_k", "tree_depth"))

@@ -21,7 +21,11 @@ Greedy requests draft the argmax. Sampled ones draw from the head's distribution
 temperature, top-k and top-p (not its penalties or min-p: any proposal keeps the target's distribution under
 rejection sampling, this one only makes acceptance likelier) and return it in `Proposal.probs`.
 
-Known limits: drafts are a chain (no dynamic tree yet). KV blocks read from the prefix cache keep the head's K/V of
+Options `tree_top_k` (and `tree_depth`, default 4): greedy requests draft a dynamic tree instead (eagle3_tree.py:
+the head's top-k children of the best k nodes per depth, the best `num_speculative_tokens` nodes by cumulative draft
+probability), verified in one pass with tree attention; sampled requests still draft chains.
+
+Known limits: KV blocks read from the prefix cache keep the head's K/V of
 whichever request computed them (a block's last position then pairs with that request's next token), and blocks
 loaded from KV tiers carry none of the head's K/V: drafts there are worse, outputs are unchanged.
 """
@@ -93,11 +97,31 @@ class _Kept:
     last_position: int
 
 
+def _read_tree(options: Mapping[str, Any], budget: int) -> tuple[int, int] | None:
+    """(top_k, depth) from options `tree_top_k` / `tree_depth`, validated; None without `tree_top_k`."""
+    top_k, depth = options.get("tree_top_k"), options.get("tree_depth", 4)
+    if top_k is None:
+        if "tree_depth" in options:
+            raise ValueError("speculator.options.tree_depth needs speculator.options.tree_top_k (the tree's width)")
+        return None
+    for key, value, low, high in (("tree_top_k", top_k, 1, 16), ("tree_depth", depth, 2, 16)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"speculator.options.{key} must be an integer in {low}..{high}, got {value!r}")
+    nodes = top_k + (depth - 1) * top_k * top_k
+    if budget > nodes:
+        raise ValueError(f"speculator.num_speculative_tokens: {budget} is the tree's node budget; a tree of "
+                         f"tree_top_k {top_k} and tree_depth {depth} has only {nodes} candidate nodes")
+    return top_k, depth
+
+
 class Eagle3Speculator(Speculator):
-    """Reads `[speculator] model` (the head's directory) and no other option."""
+    """Reads `[speculator] model` (the head's directory) and options `tree_top_k` / `tree_depth` (module
+    docstring)."""
 
     def __init__(self, options: Mapping[str, Any], context: SpeculatorContext) -> None:
         super().__init__(options, context)
+        self.tree = _read_tree(self.options, context.num_speculative_tokens)
+        self.drafts_trees = self.tree is not None
         config = _read_config(context)
         target = context.target_model
         if target is None or not hasattr(target, "lm_head") or not hasattr(getattr(target, "model", None),
@@ -188,7 +212,24 @@ class Eagle3Speculator(Speculator):
         chosen = [by_index.get(i) for i in inputs.propose_for]
         if any(e is None for e in chosen):
             raise ValueError("a request proposed for has no kept rows this step")
-        return self._draft(inputs, [e for e in chosen if e is not None], out, tables, caches[0])
+        entries = [e for e in chosen if e is not None]
+        if self.tree is None:
+            return self._draft(inputs, entries, out, tables, caches[0])
+        from ember_plugins.speculators.eagle3_tree import draft_tree
+
+        greedy = [b for b, e in enumerate(entries) if inputs.batch[e.index].params.greedy]
+        sampled = [b for b, e in enumerate(entries) if b not in set(greedy)]
+        proposals: list[Proposal | None] = [None] * len(entries)
+        if greedy:
+            trees = draft_tree(self, inputs, [entries[b] for b in greedy], out, tables, caches[0],
+                               inputs.num_speculative_tokens, *self.tree)
+            for b, proposal in zip(greedy, trees, strict=True):
+                proposals[b] = proposal
+        if sampled:
+            for b, proposal in zip(sampled, self._draft(inputs, [entries[b] for b in sampled], out, tables,
+                                                          caches[0]), strict=True):
+                proposals[b] = proposal
+        return proposals
 
     def release(self, request_id: str) -> None:
         self._gaps.pop(request_id, None)
@@ -318,7 +359,8 @@ class Eagle3Speculator(Speculator):
     def _draft(self, inputs: SpeculatorInputs, chosen: list[_Kept], out: torch.Tensor, tables: torch.Tensor,
                cache: tuple[torch.Tensor, ...]) -> list[Proposal | None]:
         """k drafts per chosen request: draft 1 from its last kept row, then one batched pass per position."""
-        k = inputs.num_speculative_tokens
+        # With a tree, num_speculative_tokens is the trees' node budget: sampled requests' chains stop at its depth.
+        k = inputs.num_speculative_tokens if self.tree is None else min(inputs.num_speculative_tokens, self.tree[1])
         device, dtype = self.context.device, self.context.dtype
         requests = [inputs.batch[e.index] for e in chosen]
         sampler = _DraftSampler(requests, self._generator, self.draft_vocab, self.context.vocab_size)
