@@ -20,6 +20,8 @@ SPECULATORS: dict[str, dict[str, object]] = {
     # candidates, siblings; length 4: 3 + 6 nodes), so multi-candidate rejection is what is tested.
     "medusa-tree": {"speculator": "medusa", "num_speculative_tokens": 15, "speculator_model": "speculator/medusa",
                     "speculator_options": {"tree": [3, 2, 1]}},
+    # Sampled drafts from the head's own top-k / top-p distribution, returned as Proposal.probs.
+    "eagle3": {"num_speculative_tokens": 3, "speculator_model": "speculator/eagle3"},
 }
 # Drafts from " self" on: ngram proposes what followed it earlier (".get_value()"), Medusa its heads' guesses.
 PROMPT = "class Point:\n    def get(self):\n        return self.get_value()\n\n    def __repr__(self):\n        return"
