@@ -1,6 +1,7 @@
 """Every speculator against no speculation, side by side: decode tokens/s and mean accepted length on held-out code.
 
-    python bench/bench_speculators.py [--methods ngram,medusa,eagle3] [--batches 1,8,32] [--quick] [--repeats 3]
+    python bench/bench_speculators.py [--methods ngram,medusa,eagle3] [--batches 1,8,32] [--mixed 32] [--quick]
+        [--repeats 3]
 
 Prompts are the starts of the standard-library files the example model never trained on (its held-out split,
 listed in examples/tiny-llama/training.json), so learned drafters (Medusa) are not measured on text they saw.
@@ -19,6 +20,11 @@ medusa with `options.tree` (--tree, default 3,2,1: top-3 of head 1, top-2 of hea
 verified as a tree, with the tree's node count as its node budget (num_speculative_tokens); it is also reported
 against chain medusa. `eagle3-tree` is eagle3's dynamic tree (--eagle-tree top-k,depth, default 3,4; node budget
 --eagle-tree-budget, default 8).
+
+The mixed run (--mixed B, default 32, also under --quick; 0 skips it) is what serving sees: B requests in flight over
+4B (--quick 2B), every other one sampled (temperature 0.8, top-p 0.95, seeded) and the rest greedy, prompts of 32 to
+--prompt-len tokens and outputs of 16 to --max-tokens tokens, varied deterministically; every method against none,
+with no batch-size ceiling (the adaptive length alone must keep it >= 0.95x); greedy requests' outputs are compared.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", default="3,2,1", help="medusa-tree's top-k per head (default: %(default)s)")
     parser.add_argument("--eagle-tree", default="3,4", help="eagle3-tree's top-k,depth (default: %(default)s)")
     parser.add_argument("--eagle-tree-budget", type=int, default=8, help="eagle3-tree's node budget (default 8)")
+    parser.add_argument("--mixed", type=int, default=32,
+                        help="batch of the mixed greedy/sampled run (default %(default)s; 0: none)")
 
 
 def held_out_prompts(tokenizer: Any, model: Path, prompt_len: int) -> list[list[int]]:
@@ -76,11 +84,12 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     if args.quick:
         batches = [b for b in batches if b <= 8] or batches[:1]
-    engines: dict[str, Any] = {"none": LLM(args.model, max_num_seqs=max(batches)).engine}
+    widest = max(*batches, args.mixed)
+    engines: dict[str, Any] = {"none": LLM(args.model, max_num_seqs=widest).engine}
     skipped: dict[str, str] = {}
     for method in args.methods.split(","):
         overrides: dict[str, Any] = {"speculator": VARIANTS.get(method, method), "num_speculative_tokens": args.k,
-                                     "speculator_max_batch_size": max(batches), "max_num_seqs": max(batches)}
+                                     "max_num_seqs": widest}  # no speculator_max_batch_size: no ceiling
         if method == "medusa-tree":
             tree = [int(k) for k in args.tree.split(",")]
             overrides["speculator_options"] = {"tree": tree}
@@ -120,9 +129,10 @@ def main() -> None:
                 "verified": (engine.spec.length.num_verified if engine.spec is not None else 0) - verified,
                 "token_ids": ids}
 
-    def stream(engine: Any, queue: list[list[int]], size: int) -> tuple[int, float, list[list[int]], int]:
+    def stream(engine: Any, queue: list[list[int]], size: int,
+               each: list[Any] | None = None) -> tuple[int, float, list[list[int]], int]:
         """(tokens after each request's first, seconds from the first token to the last, each request's tokens,
-        steps that gave some request tokens, summed over requests)."""
+        steps that gave some request tokens, summed over requests). `each`: per request params (default `params`)."""
         outputs: dict[str, list[int]] = {}
         pending = list(enumerate(queue))
         first = None
@@ -130,7 +140,7 @@ def main() -> None:
 
         def add() -> None:
             index, prompt = pending.pop(0)
-            engine.add_request(f"spec-bench-{id(queue)}-{index}", prompt, params)
+            engine.add_request(f"spec-bench-{id(queue)}-{index}", prompt, params if each is None else each[index])
             outputs[f"spec-bench-{id(queue)}-{index}"] = []
 
         for _ in range(min(size, len(pending))):
@@ -171,6 +181,43 @@ def main() -> None:
                          "-" if entry["mean_accepted_length"] is None else f"{entry['mean_accepted_length']:.2f}",
                          str(same)])
 
+    if args.mixed:
+        from ember_platform import SamplingParams
+
+        num_mixed = (2 if args.quick else 4) * args.mixed
+        mixed_queue, mixed_params = [], []
+        for i in range(num_mixed):  # deterministic variety: lengths cycle through co-prime strides
+            length = 32 + (i * 37) % max(1, prompt_len - 31)
+            out_len = 16 + (i * 23) % max(1, max_tokens - 15)
+            mixed_queue.append(prompts[i % len(prompts)][:length])
+            mixed_params.append(SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True) if i % 2 == 0 else
+                                SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=out_len,
+                                               ignore_eos=True))
+
+        def measure_mixed(engine: Any) -> dict[str, Any]:
+            drafts, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
+            tokens, seconds, ids, steps = stream(engine, mixed_queue, args.mixed, mixed_params)
+            return {"rate": tokens / seconds, "tokens_per_step": tokens / steps, "token_ids": ids[::2],
+                    "drafts": engine.num_draft_tokens - drafts, "accepted": engine.num_accepted_tokens - accepted,
+                    "k": engine.spec.length.k if engine.spec is not None else 0}
+
+        runs = interleaved({name: (lambda e=engine: measure_mixed(e)) for name, engine in engines.items()},
+                           args.repeats)
+        base = median(r["rate"] for r in runs["none"])
+        for name, results in runs.items():
+            rate = median(r["rate"] for r in results)
+            drafts = sum(r["drafts"] for r in results)
+            same = results[0]["token_ids"] == runs["none"][0]["token_ids"]
+            entry = {"tok_s": round(rate, 1), "ratio": round(rate / base, 3),
+                     "tokens_per_step": round(median(r["tokens_per_step"] for r in results), 3),
+                     "acceptance": round(sum(r["accepted"] for r in results) / drafts, 4) if drafts else None,
+                     "identical": same, "last_k": results[-1]["k"]}
+            record[f"{name}@mixed{args.mixed}"] = entry
+            rows.append([f"mixed {args.mixed}", name, f"{rate:.1f}", f"{entry['ratio']:.2f}x",
+                         f"{entry['tokens_per_step']:.2f}",
+                         "-" if entry["acceptance"] is None else f"{100 * entry['acceptance']:.0f}%", "-",
+                         f"{same} (greedy half)"])
+
     print(f"model {args.model}, {args.threads} threads; {len(prompts)} held-out prompts of {prompt_len} tokens, "
           f"{max_tokens} greedy tokens each; k = {args.k} (adaptive); {args.repeats} interleaved repeats\n")
     print_table(["batch", "method", "decode tok/s", "vs none", "tokens/step", "acceptance", "accepted len",
@@ -188,6 +235,9 @@ def main() -> None:
         for size in large:
             ok = record[f"{method}@{size}"]["ratio"] >= TARGET_LARGE_BATCH
             verdicts.append(f"{method} batch {size} >= {TARGET_LARGE_BATCH}x: {'met' if ok else 'MISSED'}")
+        if args.mixed:
+            ok = record[f"{method}@mixed{args.mixed}"]["ratio"] >= TARGET_LARGE_BATCH
+            verdicts.append(f"{method} mixed batch {args.mixed} >= {TARGET_LARGE_BATCH}x: {'met' if ok else 'MISSED'}")
     for size in batches:  # a tree against the chain of the same heads
         tree, chain = record.get(f"medusa-tree@{size}"), record.get(f"medusa@{size}")
         if tree and chain:
@@ -196,7 +246,7 @@ def main() -> None:
                             f"length {tree['mean_accepted_length']} vs {chain['mean_accepted_length']}")
     print("\n" + "\n".join(verdicts))
     emit("speculators", {"results": record, "skipped": skipped, "k": args.k, "prompt_len": prompt_len,
-                         "max_tokens": max_tokens, **environment(args)})
+                         "max_tokens": max_tokens, "mixed": args.mixed, **environment(args)})
 
 
 if __name__ == "__main__":

@@ -86,8 +86,7 @@ class SpecDecoder:
         # How many drafts pay at this batch size (spec_length.py); with none, the speculator still sees the step.
         other_tokens = plan.num_tokens - sum(plan.query_lens[i] for i in eligible)  # prefill chunks, mostly
         k = self.length.choose(len(eligible), other_tokens) if eligible else 0
-        if k == 0:
-            eligible = []
+        eligible = self.length.probe_subset(eligible) if k else []
         token_ids, positions, hidden, aux = plan.input_ids, plan.positions, output.hidden_states, \
             output.aux_hidden_states
         if plan.trees:  # each tree request's accepted path first, at its RoPE positions: then it reads as a chain

@@ -37,6 +37,11 @@ DECAY = 0.98  # each new step-cost observation weighs 2%: a memory of about 50 s
 ACCEPTANCE_DECAY = 0.995  # per verified request: about 200 requests' drafts of memory
 PROBE_EVERY = 64  # one step in this many drafts the full k, to keep measuring what is not chosen
 WARMUP_STEPS = 8  # the first steps draft the full k: nothing is measured yet
+# Warm-up and probe steps draft for this many requests of the batch only (rotating): enough to keep acceptance
+# measured, while at a large batch a probe of every request would cost k + 1 times a step each time (~5% of the
+# throughput at batch 32 with k = 3, probing every 64 steps). Wider passes at large batch stay unmeasured, so their
+# predicted cost is the pessimistic extrapolation: drafts there are not bet on.
+PROBE_REQUESTS = 2
 
 
 @dataclass(slots=True)
@@ -105,6 +110,7 @@ class SpeculationLength:
             self._accepted = [2.0 * 0.5 ** j for j in range(max_k + 1)]
         self._steps = 0
         self.k = max_k  # the last choice
+        self.probing = False  # the last choice was a warm-up or probe step (see PROBE_REQUESTS)
         self.num_verified = 0  # requests whose drafts were verified
         self.num_drafted = 0
         self.num_accepted = 0
@@ -162,13 +168,15 @@ class SpeculationLength:
         return seconds * k / j  # an autoregressive drafter's cost grows with the tokens it drafts
 
     def choose(self, num_decoding: int, other_tokens: int = 0) -> int:
-        """Drafts per request for a step of `num_decoding` requests decoding plus `other_tokens` (prefill chunks)."""
+        """Drafts per request for a step of `num_decoding` requests decoding plus `other_tokens` (prefill chunks).
+        After a warm-up or probe step (`probing`), only `probe_subset` of the requests should get them."""
         if not self.adaptive:
             return self.max_k
         if num_decoding < 1:
             return 0
         self._steps += 1
-        if self._steps <= WARMUP_STEPS or self._steps % PROBE_EVERY == 0:
+        self.probing = self._steps <= WARMUP_STEPS or self._steps % PROBE_EVERY == 0
+        if self.probing:
             self.k = self.max_k
             return self.k
         # A pass without drafts at this width never measured (warm-up drafts the full k), or not for a while: run
@@ -187,6 +195,13 @@ class SpeculationLength:
                 best_k, best_rate = k, rate
         self.k = best_k
         return best_k
+
+    def probe_subset(self, eligible: list[int]) -> list[int]:
+        """The requests a warm-up or probe step drafts for: PROBE_REQUESTS of them, rotating through the batch."""
+        if not self.probing or len(eligible) <= PROBE_REQUESTS:
+            return eligible
+        start = (self._steps * PROBE_REQUESTS) % len(eligible)
+        return [eligible[(start + i) % len(eligible)] for i in range(PROBE_REQUESTS)]
 
     # --- what metrics report ------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ember_platform import LLM, SamplingParams
-from ember_platform.engine.spec_length import PROBE_EVERY, WARMUP_STEPS, SpeculationLength, StepCost
+from ember_platform.engine.spec_length import PROBE_EVERY, PROBE_REQUESTS, WARMUP_STEPS, SpeculationLength, StepCost
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny-llama"
 
@@ -142,6 +142,9 @@ def test_the_engine_stops_drafting_where_a_cost_model_says_it_does_not_pay(batch
     steady = proportional[WARMUP_STEPS:]
     assert steady.count(0) >= len(steady) - len(steady) // PROBE_EVERY - 1, proportional
     assert spec.engine.stats()["spec_num_speculative_tokens"] == 0
+    # and its warm-up and probe steps draft for PROBE_REQUESTS requests, not the whole batch
+    probes = WARMUP_STEPS + len(proportional) // PROBE_EVERY + 1
+    assert spec.engine.num_draft_tokens <= probes * min(batch, PROBE_REQUESTS) * 4
 
 
 def test_a_plain_pass_is_measured_before_drafting_is_judged_free() -> None:
