@@ -2,7 +2,11 @@
 the dense model and every quantization method installed (and their compositions), plus decode tokens/s at batch
 1, 8 and 32 on the larger model; one table, each method marked pass/fail against `--threshold`.
 
-    .venv/bin/python bench/eval_quantization.py [--threshold 3] [--windows 24] [--speed/--no-speed]
+    .venv/bin/python bench/eval_quantization.py [--threshold 3] [--windows 24] [--speed/--no-speed] [--only LABEL]
+
+Besides perplexity (the gate) each row has KL: the mean KL divergence per held-out token of its next-token
+distribution from the dense model's, the steadier measure of how close a method is (a perplexity change of a few
+tenths of a percent on a few thousand tokens can go either way by chance).
 
 Held-out text: the example model's held-out split (whole standard-library files it never trained on, see
 examples/make_tiny_llama.py). Calibration text, for the methods that calibrate: training-split files, written as
@@ -75,17 +79,25 @@ def load_example_script() -> Any:
     return module
 
 
-def held_out_loss(model: torch.nn.Module, windows: torch.Tensor) -> float:
-    """Mean next-token cross-entropy (nats) over the windows, one prefill each."""
+def held_out_loss(model: torch.nn.Module, windows: torch.Tensor,
+                  reference: list[torch.Tensor] | None = None) -> tuple[float, float | None, list[torch.Tensor]]:
+    """(mean next-token cross-entropy in nats, mean KL(reference || model) per token or None, the model's
+    log-probabilities per window in bfloat16) over the windows, one prefill each. The KL from the dense model is
+    the less noisy measure: a quantization's perplexity change on a few thousand tokens is partly chance."""
     from ember_platform.engine.calibration import run_prefill
 
-    total, count = 0.0, 0
+    total, kl, count, kept = 0.0, 0.0, 0, []
     with torch.inference_mode():
-        for window in windows:
-            logits = model.compute_logits(run_prefill(model, window[:-1].tolist()))
-            total += float(F.cross_entropy(logits.float(), window[1:], reduction="sum"))
+        for i, window in enumerate(windows):
+            logits = model.compute_logits(run_prefill(model, window[:-1].tolist())).float()
+            total += float(F.cross_entropy(logits, window[1:], reduction="sum"))
             count += len(window) - 1
-    return total / count
+            log_probs = torch.log_softmax(logits, dim=-1)
+            if reference is not None:
+                kl += float(F.kl_div(log_probs, reference[i].float(), log_target=True, reduction="sum"))
+            else:
+                kept.append(log_probs.to(torch.bfloat16))
+    return total / count, None if reference is None else kl / count, kept
 
 
 def package_copy(tmp: Path, calibration: str) -> Path:
@@ -123,7 +135,7 @@ def rtn_reference(package: Path, group_size: int, windows: torch.Tensor, prompts
         if name != "lm_head":
             w = layer.weight.data
             w.copy_(rtn_quantize(w, 4, group_size, True).dequantize(w.dtype))
-    return held_out_loss(llm.engine.model, windows), [o.token_ids for o in llm.generate(prompts, params)]
+    return held_out_loss(llm.engine.model, windows)[0], [o.token_ids for o in llm.generate(prompts, params)]
 
 
 def decode_speed(path: Path, method: Any, options: dict[str, Any], calibration: str) -> dict[int, float]:
@@ -187,10 +199,11 @@ def main() -> None:
             windows = windows[:1]  # the dense reference row only, then straight to speed
         package = package_copy(Path(tmp), calibration)
         dense = LLM(package)
-        dense_loss = held_out_loss(dense.engine.model, windows)
+        dense_loss, _, dense_log_probs = held_out_loss(dense.engine.model, windows)
         reference = [o.token_ids for o in dense.generate(prompts, params)]
         del dense
-        rows.append({"method": "dense (float32)", "ppl": math.exp(dense_loss), "agreement": 1.0, "status": "ok"})
+        rows.append({"method": "dense (float32)", "ppl": math.exp(dense_loss), "agreement": 1.0, "kl": 0.0,
+                     "status": "ok"})
         for label, method, options in METHODS if args.quality else []:
             if args.only and not any(o in label for o in args.only):
                 continue
@@ -205,10 +218,10 @@ def main() -> None:
                 rows.append({"method": label, "status": f"error: {e}"})
                 continue
             load_s = time.perf_counter() - t0
-            loss = held_out_loss(llm.engine.model, windows)
+            loss, kl, _ = held_out_loss(llm.engine.model, windows, dense_log_probs)
             got = [o.token_ids for o in llm.generate(prompts, params)]
             rows.append({"method": label, "ppl": math.exp(loss), "agreement": agreement(reference, got),
-                         "load_s": round(load_s, 2), "status": "ok"})
+                         "kl": kl, "load_s": round(load_s, 2), "status": "ok"})
             del llm
         if "int4" not in installed and args.quality:
             for group in (64, 128):
@@ -223,6 +236,8 @@ def main() -> None:
             row["gate"] = "pass" if row["ppl_vs_dense_pct"] <= args.threshold else "FAIL"
             row["ppl"] = round(row["ppl"], 4)
             row["agreement"] = round(row["agreement"], 3)
+            if row.get("kl") is not None:
+                row["kl"] = round(row["kl"], 6)
 
     speed: dict[str, Any] = {}
     if args.speed:
@@ -243,14 +258,15 @@ def main() -> None:
     print(f"held-out: {len(windows)} windows x {SEQ_LEN} tokens; greedy agreement: {len(prompts)} prompts x "
           f"{AGREEMENT_TOKENS} tokens; gate: ppl <= dense + {args.threshold}%; decode tok/s at batch "
           f"{'/'.join(map(str, SPEED_BATCHES))} on {LARGE.name} (loaded shared CPU: indicative)")
-    print(f"{'method':30} {'ppl':>9} {'vs dense':>9} {'agree':>6} {'gate':>5}  {'tok/s':>20}  status")
+    print(f"{'method':30} {'ppl':>9} {'vs dense':>9} {'KL':>9} {'agree':>6} {'gate':>5}  {'tok/s':>20}  status")
     for row in rows:
         ppl = f"{row['ppl']:9.4f}" if "ppl" in row else f"{'-':>9}"
+        kl = f"{row['kl']:9.6f}" if row.get("kl") is not None else f"{'-':>9}"
         vs = f"{row['ppl_vs_dense_pct']:+8.2f}%" if "ppl" in row else f"{'-':>9}"
         agree = f"{row['agreement']:6.3f}" if "ppl" in row else f"{'-':>6}"
         tps = row["tokens_per_s"]
         tps_text = "/".join(str(v) for v in tps.values()) if isinstance(tps, dict) else str(tps or "-")
-        print(f"{row['method']:30} {ppl} {vs} {agree} {row.get('gate', '-'):>5}  {tps_text:>20}  {row['status']}")
+        print(f"{row['method']:30} {ppl} {vs} {kl} {agree} {row.get('gate', '-'):>5}  {tps_text:>20}  {row['status']}")
     dense_speed = speed.get("dense")
     if isinstance(dense_speed, dict):
         print(f"decode tokens/s on {LARGE.name} at batch {', '.join(map(str, SPEED_BATCHES))} (x dense):")

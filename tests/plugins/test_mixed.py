@@ -10,7 +10,7 @@ import pytest
 
 from ember_platform import LLM
 from ember_plugins.quantization.int4 import Int4Method
-from ember_plugins.quantization.mixed import plan_layers
+from ember_plugins.quantization.mixed import knapsack_plan, plan_layers
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama" / "weights"
 LADDER = ("int4_g128", "int8", "dense")
@@ -47,3 +47,49 @@ def test_the_engine_stores_each_layer_as_planned() -> None:
 def test_a_budget_below_int4_is_refused_naming_the_option() -> None:
     with pytest.raises(Exception, match=r"quantization\.options\.average_bits"):
         LLM(EXAMPLE, quantization="mixed", quantization_options={"average_bits": 2.0})
+
+
+def test_the_knapsack_plan_is_the_least_total_sensitivity_within_the_budget() -> None:
+    """Where the greedy climb spends the budget on the best ratio first and is stuck, the knapsack finds the
+    plan of least summed loss (checked against every plan there is)."""
+    import itertools
+
+    layers = {"a": layer(100, {"int4_g128": 1.0, "int8": 0.0, "dense": 0.0}),
+              "b": layer(100, {"int4_g128": 0.6, "int8": 0.05, "dense": 0.0}),
+              "c": layer(300, {"int4_g128": 3.0, "int8": 1.9, "dense": 0.0})}
+    total = 500
+    for budget in (4.3, 5.1, 6.0, 7.2, 9.0, 14.0, 20.0, 32.0):
+        plan = knapsack_plan(layers, budget, LADDER)
+        def spent(p: dict[str, str]) -> float:
+            return sum(layers[n]["params"] * layers[n]["bits"][q] for n, q in p.items()) / total
+        def loss(p: dict[str, str]) -> float:
+            return sum(layers[n]["loss"][q] for n, q in p.items())
+        assert spent(plan) <= budget + 1e-9
+        feasible = [dict(zip(layers, combo, strict=True)) for combo in itertools.product(LADDER, repeat=3)]
+        best = min(loss(p) for p in feasible if spent(p) <= budget + 1e-9)
+        assert loss(plan) <= best + 1e-6, (budget, plan)
+        assert loss(plan) <= loss(plan_layers(layers, budget, LADDER)) + 1e-12
+
+
+def test_the_plan_is_the_candidate_with_the_lowest_calibration_kl(tmp_path: Path) -> None:
+    """At exactly uniform int4 g64's bits, the uniform plan is a candidate: the plan kept measures no worse."""
+    llm = LLM(EXAMPLE, quantization="mixed", quantization_options={"average_bits": 4.625})
+    technique = next(m.mixed_method for _, m in llm.engine.model.named_modules() if hasattr(m, "mixed_method"))
+    assert technique is not None
+    plan = _plan(llm)
+    assert {"greedy", "knapsack", "uniform int4-g64", "uniform int4-g128"} <= set(plan["plan_kl"])
+    assert "uniform int4-g32" not in plan["plan_kl"]  # 5.25 bits: over the budget
+    assert plan["plan_kl"][plan["plan"]] == min(plan["plan_kl"].values())
+    assert plan["achieved_bits"] <= 4.625 + 1e-9
+
+
+def _plan(llm: LLM) -> dict:
+    import json
+    import os
+
+    root = Path(os.environ["EMBER_QUANTIZED_CACHE"])
+    options = dict(llm.engine.selections["quantization"].options)
+    found = [json.loads(p.read_text()) for p in root.glob("*/quantization.json")]
+    mine = [f["techniques"]["mixed"] for f in found if f.get("selection") == "mixed" and f["options"] == options]
+    assert len(mine) == 1, found
+    return mine[0]

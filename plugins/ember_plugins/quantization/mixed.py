@@ -7,21 +7,27 @@ The plan, made in `calibrate` before any layer is finalized:
 1. Measure each covered layer on the calibration text: its input's outlier statistics (max over input channels of
    max |x|, divided by their mean; kurtosis of the inputs), and its sensitivity: the increase of the model's
    calibration loss when that layer alone is rounded to int4 (round to nearest, as `int4` stores it), and to int8.
-2. Start with every layer at int4 (the smallest), then repeatedly make the upgrade (int4 -> int8, -> dense) with
-   the largest loss saved per extra bit that still fits the budget, until none does. Ties go by layer name, so
-   the plan is the same on every run of the same weights and text.
+2. Candidate plans within the budget: the greedy one (start with every layer at int4 in the largest groups, then
+   repeatedly make the upgrade with the largest loss saved per extra bit that still fits, until none does; ties
+   by layer name), the one of least total sensitivity (`knapsack_plan`, exact: it may also give a layer fewer
+   bits so another gets more), and every uniform int4 that fits.
+3. Each candidate is measured whole (every covered layer rounded as planned at once, so interactions count): the
+   one with the lowest KL of the calibration logits from full precision is the plan (ties: the order above), so
+   the plan is never measurably worse on calibration text than the uniform int4 of the same bits.
 
 Bits per weight count what the layers store: int4 4 + 40 / group (a float32 scale and a uint8 zero point per
 group, `Int4Weights`), int8 8 + 32 / inputs (a float32 scale per output), dense the model dtype's bits. Layers in
 `skip` (default the LM head) stay dense and are outside the budget. The plan is `state()`: saved as
 `quantization.json` beside the engine's quantized-weight cache and printed by `ember explain`.
 
-Sensitivities are measured one layer at a time (interactions ignored, as HAWQ / Baseten-style layer selection
-does): 2 passes of the calibration text per covered layer.
+Sensitivities are measured one layer at a time (interactions ignored there, as HAWQ / Baseten-style layer
+selection does; step 3 measures them): a pass of the first 2048 calibration tokens per covered layer and int4 or
+int8 precision, and one per candidate plan.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping
 from typing import Any
 
@@ -43,9 +49,13 @@ from ember_plugins.quantization.int4 import DEFAULT_GROUP, GROUP_SIZES, Int4Line
 from ember_plugins.quantization.int8 import Int8LinearMethod, quantize_per_channel
 from ember_plugins.quantization.options import check_mixed, checked
 
-RULE = ("every covered layer int4 in the largest groups, then the upgrade (smaller int4 groups, int8, dense) "
-        "saving the most sensitivity per extra bit, while the average bits per weight stay within average_bits; "
-        "sensitivity = KL divergence of the calibration logits from full precision with that layer alone quantized")
+SENSITIVITY_TOKENS = 2048  # calibration tokens sensitivities and plans are measured on, in sequences of ...
+SEQUENCE = 256
+RULE = ("within average_bits per weight: of the greedy plan (every covered layer int4 in the largest groups, then "
+        "the upgrade saving the most sensitivity per extra bit), the plan of least total sensitivity (exact "
+        "knapsack) and each uniform int4 that fits, the one whose whole quantized model has the lowest calibration "
+        "KL; sensitivity = KL divergence of the calibration logits from full precision with that layer alone "
+        "quantized")
 
 
 def precisions(group_size: int) -> tuple[str, ...]:
@@ -103,6 +113,46 @@ def plan_layers(layers: Mapping[str, Mapping[str, Any]], budget_bits: float, lad
         _, name, precision, extra = best
         choice[name] = precision
         spent += extra
+
+
+def knapsack_plan(layers: Mapping[str, Mapping[str, Any]], budget_bits: float, ladder: tuple[str, ...],
+                  resolution: int = 1 << 16) -> dict[str, str]:
+    """The plan of least total sensitivity (the sum of the layers' losses) within the budget: the exact optimum of
+    that multiple-choice knapsack, by dynamic programming over bits spent, counted in `resolution` steps of the
+    budget (each layer's cost rounded up, so the plan never exceeds the budget). Where `plan_layers`' greedy
+    climbs one upgrade at a time, this may also give a layer fewer bits to give another more."""
+    names = sorted(layers)
+    total = sum(layers[n]["params"] for n in names)
+    budget = budget_bits * total
+    unit = budget / resolution
+    inf = float("inf")
+    best = torch.full((resolution + 1,), inf, dtype=torch.float64)  # least loss at exactly this many units spent
+    best[0] = 0.0
+    choices = []
+    for name in names:
+        layer = layers[name]
+        new = torch.full_like(best, inf)
+        pick = torch.full((resolution + 1,), -1, dtype=torch.long)
+        for i, precision in enumerate(ladder):
+            cost = math.ceil(layer["params"] * layer["bits"][precision] / unit - 1e-9)
+            if cost > resolution:
+                continue
+            shifted = torch.full_like(best, inf)
+            shifted[cost:] = best[:resolution + 1 - cost] + layer["loss"][precision]
+            better = shifted < new
+            new = torch.where(better, shifted, new)
+            pick = torch.where(better, torch.tensor(i), pick)
+        best = new
+        choices.append(pick)
+    if not math.isfinite(float(best.min())):
+        return {name: ladder[0] for name in names}  # nothing fits (a budget below int4): the cheapest everywhere
+    spent = int(torch.argmin(best))
+    plan: dict[str, str] = {}
+    for name, pick in zip(reversed(names), reversed(choices), strict=True):
+        precision = ladder[int(pick[spent])]
+        plan[name] = precision
+        spent -= math.ceil(layers[name]["params"] * layers[name]["bits"][precision] / unit - 1e-9)
+    return plan
 
 
 class MixedLinearMethod(LinearMethod):
@@ -203,16 +253,26 @@ class MixedQuantizer(Quantizer):
     def calibrate(self, calibration: CalibrationContext) -> None:
         model = calibration.model
         inputs = calibration.capture(self.layers)
-        reference = [torch.log_softmax(lg, dim=-1) for lg in calibration.logits()]
+        # Sensitivities on more text than the shared capture's (512 tokens): a layer's KL is ~1e-4 nats, and the
+        # plans compared below differ by less.
+        ids = calibration.tokenizer.encode(calibration.text, add_special_tokens=False)[:SENSITIVITY_TOKENS]
+        sequences = [s for s in (ids[i:i + SEQUENCE] for i in range(0, len(ids), SEQUENCE)) if len(s) > 1]
+        if not sequences:
+            raise QuantizationError(f"quantization 'mixed': the calibration text ({calibration.source}) has no tokens")
+
+        def log_probs() -> list[torch.Tensor]:
+            with torch.inference_mode():
+                return [torch.log_softmax(model.compute_logits(calibration.run(s)).float(), dim=-1) for s in sequences]
+
+        reference = log_probs()
         tokens = sum(len(lp) for lp in reference)
 
         def divergence() -> float:
             """Mean KL(full precision || now) per calibration token: always >= 0 and far less noisy than the
             loss difference it bounds (a layer's rounding moves the loss by ~1e-4 nats either way)."""
             total = 0.0
-            for ref, logits in zip(reference, calibration.logits(), strict=True):
-                total += float(torch.nn.functional.kl_div(torch.log_softmax(logits, dim=-1), ref, log_target=True,
-                                                          reduction="sum"))
+            for ref, got in zip(reference, log_probs(), strict=True):
+                total += float(torch.nn.functional.kl_div(got, ref, log_target=True, reduction="sum"))
             return total / tokens
 
         base = calibration.loss()
@@ -228,8 +288,33 @@ class MixedQuantizer(Quantizer):
             weight.copy_(original)
             ratio, kurtosis = outlier_stats(inputs[name])
             measured[name] = {**self.layers[name], "loss": loss, "outlier_ratio": ratio, "kurtosis": kurtosis}
-        choice = plan_layers(measured, float(self.average_bits), self.ladder)
+        # Candidate plans within the budget: the greedy climb, the least-total-sensitivity knapsack, and every
+        # uniform int4 that fits. Each is measured whole (all its layers rounded at once, so interactions count)
+        # by the KL of the calibration logits from full precision; the lowest is kept.
+        budget = float(self.average_bits)
         total = sum(m["params"] for m in measured.values())
+        candidates = {"greedy": plan_layers(measured, budget, self.ladder),
+                      "knapsack": knapsack_plan(measured, budget, self.ladder)}
+        for precision in self.ladder:
+            if int4_group(precision) is not None and \
+                    sum(m["params"] * m["bits"][precision] for m in measured.values()) <= budget * total + 1e-9:
+                candidates[f"uniform {precision}"] = {name: precision for name in measured}
+        originals = {name: model.get_submodule(name).weight.data.clone() for name in measured}
+        scores: dict[str, float] = {}
+        for label, plan in candidates.items():
+            same = next((other for other in scores if candidates[other] == plan), None)
+            if same is not None:
+                scores[label] = scores[same]
+                continue
+            for name, precision in plan.items():
+                if precision != "dense":
+                    model.get_submodule(name).weight.data.copy_(self._fake_quantized(precision, originals[name]))
+            scores[label] = divergence()
+            for name in plan:
+                model.get_submodule(name).weight.data.copy_(originals[name])
+        del originals
+        chosen = min(candidates, key=lambda label: scores[label])  # ties: the first listed
+        choice = candidates[chosen]
         achieved = sum(m["params"] * m["bits"][choice[n]] for n, m in measured.items()) / total
         self.plan = {
             "rule": RULE,
@@ -238,9 +323,11 @@ class MixedQuantizer(Quantizer):
             "ladder": list(self.ladder),
             "symmetric": self.symmetric,
             "skip": list(self.skip),
-            "calibration_tokens": sum(len(s) for s in calibration.token_sequences()),
+            "calibration_tokens": tokens,
             "calibration_source": str(calibration.source),
             "calibration_loss": round(base, 6),
+            "plan": chosen,
+            "plan_kl": {label: round(kl, 8) for label, kl in scores.items()},
             "layers": {name: {"precision": choice[name], "bits": round(m["bits"][choice[name]], 4),
                               "params": m["params"],
                               "sensitivity": {p: round(v, 8) for p, v in m["loss"].items()},
