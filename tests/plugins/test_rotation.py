@@ -261,3 +261,22 @@ def _saved_rotation_state(llm: LLM) -> dict:
             and s["options"] == dict(llm.engine.selections["quantization"].options)]
     assert len(mine) == 1, states
     return mine[0]["techniques"]["rotation"]
+
+
+def test_explain_prints_the_seed_the_rotation_chose(tmp_path: Path) -> None:
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    package = tmp_path / "tiny-llama"
+    shutil.copytree(EXAMPLE.parent, package, copy_function=os.link, ignore=shutil.ignore_patterns("speculator"))
+    toml = (package / "ember.toml").read_text()
+    (package / "ember.toml").write_text(toml + '\n[quantization]\nmethod = ["rotation", "int8"]\n'
+                                        'options = { rotation = { seed = 2, candidates = 2 } }\n')
+    LLM(package)  # quantizes, choosing the seed, and saves the choice beside the cached weights
+    out = subprocess.run([sys.executable, "-m", "ember", "explain", str(package)], capture_output=True, text=True,
+                         env=os.environ, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "quantization 'rotation'" in out.stdout and '"candidates": 2' in out.stdout, out.stdout
+    assert '"search_kl": {"2": ' in out.stdout and '"3": ' in out.stdout, out.stdout

@@ -147,10 +147,12 @@ def print_quantization_plans(package_dir: Path, weights: str, selection: Any) ->
     path, state = stored
     for name, plan in state.get("techniques", {}).items():
         layers = plan.get("layers") if isinstance(plan, dict) else None
-        if not isinstance(layers, dict):
+        if not isinstance(layers, dict):  # a decision without layers (rotation's seed, chosen or given)
+            console.print(f"quantization '{name}' ({path}): {json.dumps(plan, sort_keys=True)}", markup=False)
             continue
+        chosen = f"; the {plan['plan']} plan, calibration KL {plan.get('plan_kl')}" if plan.get("plan") else ""
         title = (f"quantization plan of '{name}' ({path}): {plan.get('achieved_bits')} bits per weight on average "
-                 f"(budget {plan.get('average_bits')})")
+                 f"(budget {plan.get('average_bits')}{chosen})")
         table = Table(title=title, caption=str(plan.get("rule", "")))
         for column in ("layer", "precision", "bits", "sensitivity", "input max/mean", "kurtosis"):
             table.add_column(column)
