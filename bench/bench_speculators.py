@@ -15,7 +15,8 @@ batch a method should fall back to ~1.0x rather than below it; greedy outputs ar
 
 Methods and where their weights come from: `ngram` (none needed), `medusa` (examples/tiny-llama/speculator/medusa,
 made by examples/train_medusa.py), `eagle3` (examples/tiny-llama/speculator/eagle3, made by
-examples/train_eagle3.py). A method whose weights are missing is reported as skipped. `medusa-tree` is
+examples/train_eagle3.py), `draft` (examples/tiny-llama/speculator/draft, made by examples/train_draft.py). A
+method whose weights are missing is reported as skipped. `medusa-tree` is
 medusa with `options.tree` (--tree, default 3,2,1: top-3 of head 1, top-2 of head 2 under each, top-1 of head 3)
 verified as a tree, with the tree's node count as its node budget (num_speculative_tokens); it is also reported
 against chain medusa. `eagle3-tree` is eagle3's dynamic tree (--eagle-tree top-k,depth, default 3,4; node budget
@@ -40,14 +41,14 @@ from typing import Any
 from common import emit, environment, greedy, interleaved, median, parse_args, print_table, run_engine
 
 HEAD_DIRS = {"medusa": "speculator/medusa", "medusa-tree": "speculator/medusa", "eagle3": "speculator/eagle3",
-             "eagle3-tree": "speculator/eagle3"}
+             "eagle3-tree": "speculator/eagle3", "draft": "speculator/draft"}
 VARIANTS = {"medusa-tree": "medusa", "eagle3-tree": "eagle3"}  # bench name -> speculator it runs (options below)
-TARGETS_BATCH_1 = {"medusa": 1.5, "ngram": 1.5, "eagle3": 2.0}
+TARGETS_BATCH_1 = {"medusa": 1.5, "ngram": 1.5, "eagle3": 2.0, "draft": 1.5}
 TARGET_LARGE_BATCH = 0.95
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--methods", default="ngram,medusa,eagle3",
+    parser.add_argument("--methods", default="ngram,medusa,eagle3,draft",
                         help="speculators to compare (default: %(default)s)")
     parser.add_argument("--batches", default="1,8,32", help="batch sizes (default: %(default)s)")
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens (default 3)")

@@ -51,6 +51,9 @@ _EXPORTS: dict[str, str] = {
     "SpeculatorContext": "ember_platform.engine.speculation",
     "SpeculatorInputs": "ember_platform.engine.speculation",
     "DraftKVSpec": "ember_platform.engine.speculation",
+    # model code (a draft model run by a speculator): build on meta with an attention backend, then load
+    "build_model": "ember_platform.engine.models",
+    "load_weights": "ember_platform.engine.models",
     # parallel strategies (ember_parallel_strategies): an Executor runs one Worker per rank
     "Executor": "ember_platform.engine.executor",
     "ParallelContext": "ember_platform.engine.parallel",
@@ -108,6 +111,7 @@ if TYPE_CHECKING:
         copy_shard,
         linear_modules,
     )
+    from ember_platform.engine.models import build_model, load_weights
     from ember_platform.engine.models.structure import AttentionBlock, ModelStructure, NormFeed
     from ember_platform.engine.parallel import ParallelContext
     from ember_platform.engine.quantization import QuantizationContext, QuantizationError, Quantizer, skipped

@@ -22,6 +22,7 @@ SPECULATORS: dict[str, dict[str, object]] = {
                     "speculator_options": {"tree": [3, 2, 1]}},
     # Sampled drafts from the head's own top-k / top-p distribution, returned as Proposal.probs.
     "eagle3": {"num_speculative_tokens": 3, "speculator_model": "speculator/eagle3"},
+    "draft": {"num_speculative_tokens": 3, "speculator_model": "speculator/draft"},  # drafts drawn from its own probs
 }
 # Drafts from " self" on: ngram proposes what followed it earlier (".get_value()"), Medusa its heads' guesses.
 PROMPT = "class Point:\n    def get(self):\n        return self.get_value()\n\n    def __repr__(self):\n        return"

@@ -11,6 +11,7 @@ and `AsyncEngine` (serving) are thin loops around it. Requests may name a LoRA a
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -184,6 +185,8 @@ class LLMEngine:
         if self.speculator is not None:
             budget -= self.speculator.memory_bytes()
         per_block = self.executor.kv_bytes_per_block(draft)
+        if draft is not None and draft.scratch_blocks:  # the draft cache's own blocks past the shared ones
+            budget -= draft.scratch_blocks * (per_block - self.executor.kv_bytes_per_block())
         # More than every sequence at full length is never needed.
         ceiling = rt.max_num_seqs * (-(-self.max_model_len // self.block_size) + 1)
         return max(1, min(int(budget // per_block), ceiling))
@@ -195,9 +198,14 @@ class LLMEngine:
         cls = self._technique("speculator")
         model_dir = self.source.root / self.manifest.speculator.model if self.manifest.speculator.model else None
         driver = self.executor.driver
+        # A draft model's layers run on the selected attention backend, over its own unquantized HND cache.
+        attention = functools.partial(self._technique("attention"), kv_cache_dtype="auto",
+                                      **self.selections["attention"].options)
         context = SpeculatorContext(self.manifest.speculator.num_speculative_tokens, self.vocab_size, self.device,
                                     self.dtype, model_dir, self.hf_config, self.block_size,
-                                    target_model=driver.model if driver is not None else None)
+                                    target_model=driver.model if driver is not None else None,
+                                    attention_backend=attention, kernel_ops=self.kernel_ops,
+                                    target_dir=self.source.weights_dir)
         return cls(spec.options, context)
 
     def _check_tree_attention(self) -> None:

@@ -61,12 +61,17 @@ class Proposal:
 @dataclass(frozen=True, slots=True)
 class DraftKVSpec:
     """A speculator's own paged KV cache: the same number of blocks as the target's, so a request's block
-    table (and each token's slot) addresses both; per layer a (k, v) pair in the target's layout."""
+    table (and each token's slot) addresses both; per layer a (k, v) pair in the default ("HND") layout.
+
+    `scratch_blocks` more blocks follow the shared ones (ids `num_blocks ..`, budgeted with the cache): a draft
+    model writes the KV of the positions it drafts, which may lie past the blocks the request holds yet; it maps
+    those positions to scratch blocks of its own for the step."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype | None = None  # None: the target's dtype
+    scratch_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -83,6 +88,13 @@ class SpeculatorContext:
     # The target model when it lives in this process (None under a strategy that keeps it in other processes):
     # heads that share its LM head or embeddings (Medusa, EAGLE) use its `lm_head` / `model.embed_tokens`.
     target_model: torch.nn.Module | None = None
+    # For a draft model run with the engine's own model code: the selected attention backend as a factory called
+    # `attention_backend(layer=AttentionLayerSpec, ops=KernelOps)` over an unquantized cache in the default layout
+    # (what a `DraftKVSpec` cache is), the engine's kernel-op table, and the target's checkpoint directory (its
+    # tokenizer, which a draft model must share).
+    attention_backend: Any = None
+    kernel_ops: Any = None
+    target_dir: Path | None = None
 
     @property
     def num_target_layers(self) -> int:

@@ -198,7 +198,7 @@ class Worker:
         self.kv_caches = [layer.allocate(self._num_blocks, self.device) for layer in s.layers]
         d = self._draft_spec
         self.draft_kv_caches = [] if d is None else allocate_kv_caches(
-            d.num_layers, self._num_blocks, self.config.block_size, d.num_kv_heads, d.head_dim,
+            d.num_layers, self._num_blocks + d.scratch_blocks, self.config.block_size, d.num_kv_heads, d.head_dim,
             d.dtype or self.config.dtype, self.device)
         if self.runner is not None:
             self.runner.kv_caches = self.kv_caches

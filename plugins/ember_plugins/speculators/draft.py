@@ -1,0 +1,309 @@
+"""`draft` speculation: a small draft model of the same tokenizer drafts k tokens ahead of the target (Leviathan et
+al. 2023; Chen et al. 2023).
+
+The draft is a Hugging Face checkpoint in the package's `[speculator] model` directory (config.json +
+model.safetensors; made for the example by `examples/train_draft.py`), built and loaded with the engine's own model
+code (`build_model` / `load_weights`) on the selected attention backend, with its own paged KV cache (`kv_cache_spec`:
+as many blocks as the target's, so a request's block table addresses both, plus scratch blocks, below). Each step,
+after the target verified the step's drafts, the draft runs for every request of the batch at once:
+
+1. one pass over each request's kept tokens (prompt chunks and verified tokens alike, so its cache covers every
+   position the target computed) plus, for the requests it drafts for, their newest token: its logits give draft 1;
+2. k - 1 passes of one token per drafting request (the previous draft at the next position): drafts 2..k.
+
+The drafted positions' KV is written where the request's block table puts those positions and is simply written
+over when the true tokens arrive (step 1 of a later step recomputes every kept position); positions past the blocks
+a request holds yet go to scratch blocks past the shared ones (`DraftKVSpec.scratch_blocks`), a few per request for
+the step. A request that needs more scratch than is left gets no drafts that step. A prefix-cache hit reads the draft
+KV its blocks got when they were computed; blocks whose target KV came from elsewhere (a KV tier, a wake from sleep)
+hold no valid draft KV, which costs acceptance there, never exactness: the target verifies every draft.
+
+Greedy requests draft the argmax. Sampled requests draw each draft from the draft's distribution after the request's
+own temperature, top-k, top-p and min-p (penalties and logit bias are the target's alone: rejection sampling keeps the
+target's distribution whatever the draft's is, as long as each draft was drawn from the distribution returned in
+`Proposal.probs`). Randomness: a seeded request draws its drafts from a generator of its own, seeded from its seed
+(so its drafts never depend on the rest of the batch, and a run with a fixed draft length, `adaptive = false`,
+reproduces its output); unseeded requests share one generator. With the adaptive draft length the number of drafts
+per step depends on measured timings, so a seeded request's output follows the same distribution but may differ
+between runs.
+
+Checked at load: the directory and its config.json and weights (errors name `speculator.model`), and that the draft
+speaks the target's tokens: the same vocab_size and special token ids, and where the draft directory has a
+tokenizer.json, the same vocabulary and merges as the target's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ember_platform.api import (
+    AttentionLayerSpec,
+    AttentionMetadata,
+    DraftKVSpec,
+    Proposal,
+    Request,
+    Speculator,
+    SpeculatorContext,
+    SpeculatorInputs,
+    build_model,
+    kv_cache_block_shape,
+    load_weights,
+)
+
+CONFIG = "config.json"
+TOKENIZER = "tokenizer.json"
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+SCRATCH_REQUESTS = 64  # requests per step whose drafted positions may need scratch blocks
+_SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
+_DRAFT_SEED_SALT = 0x5EED_D2AF  # a request's draft generator is seeded apart from its own sampling generator
+
+
+def _tokenizer_identity(path: Path) -> Any:
+    """What makes two tokenizer.json files tokenize alike: the model (vocab, merges), added tokens, pre-tokenizer."""
+    data = json.loads(path.read_text())
+    return (data.get("model"), [(t.get("id"), t.get("content")) for t in data.get("added_tokens") or []],
+            data.get("pre_tokenizer"), data.get("normalizer"))
+
+
+def read_draft_config(context: SpeculatorContext) -> dict[str, Any]:
+    """The draft's config.json, checked against the target (ValueError naming speculator.model and the key)."""
+    if context.model_dir is None:
+        raise ValueError("speculator.model: draft needs the directory of its draft model ([speculator] model = "
+                         "\"speculator/draft\", a Hugging Face checkpoint made by examples/train_draft.py)")
+    root = context.model_dir
+    path = root / CONFIG
+    if not root.is_dir():
+        raise ValueError(f"speculator.model: the draft model directory {root} does not exist")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"speculator.model: cannot read the draft model's {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"speculator.model: {path} is not a JSON object")
+    target = context.target_config
+    for key in ("vocab_size", *SPECIAL_IDS):
+        if (key == "vocab_size" or key in config or key in target) and config.get(key) != target.get(key):
+            raise ValueError(f"speculator.model: {path}: {key} is {config.get(key)}, the target's is "
+                             f"{target.get(key)} (a draft model must use the target's tokenizer)")
+    draft_tokenizer = root / TOKENIZER
+    target_tokenizer = context.target_dir / TOKENIZER if context.target_dir is not None else None
+    if draft_tokenizer.is_file() and target_tokenizer is not None and target_tokenizer.is_file():
+        try:
+            same = _tokenizer_identity(draft_tokenizer) == _tokenizer_identity(target_tokenizer)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"speculator.model: cannot read {draft_tokenizer}: {e}") from None
+        if not same:
+            raise ValueError(f"speculator.model: {draft_tokenizer} is not the target's tokenizer "
+                             f"({target_tokenizer}): a draft model must tokenize exactly as the target does")
+    return config
+
+
+def _process(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """[n, V] float32 logits -> the distributions sampled requests draw drafts from: temperature, top-k, top-p,
+    min-p of each request (rows of greedy requests are left as they are; their drafts are the argmax)."""
+    params = [r.params for r in requests]
+    x = logits / torch.tensor([max(p.temperature, 1e-5) if not p.greedy else 1.0 for p in params],
+                              device=logits.device)[:, None]
+    vocab = x.shape[-1]
+    top_k = [p.top_k if p.top_k and 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_x, order = x.sort(dim=-1)  # ascending, as the engine's sampler does
+        kth = sorted_x.gather(1, (vocab - torch.tensor(top_k, device=x.device))[:, None])
+        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+        cumulative = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1 - torch.tensor(top_p, device=x.device))[:, None]
+        drop[:, -1] = False
+        x = torch.empty_like(x).scatter_(1, order, sorted_x.masked_fill(drop, float("-inf")))
+    probs = x.softmax(dim=-1)
+    min_p = [getattr(p, "min_p", 0.0) or 0.0 for p in params]
+    if any(min_p):
+        threshold = torch.tensor(min_p, device=x.device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+class DraftSpeculator(Speculator):
+    """Runs a draft model; takes no options beyond `[speculator] model`."""
+
+    def __init__(self, options: Mapping[str, Any], context: SpeculatorContext) -> None:
+        super().__init__(options, context)
+        config = read_draft_config(context)
+        if context.attention_backend is None:
+            raise ValueError("draft runs its model on the engine's attention backend, which this engine does not "
+                             "give speculators (SpeculatorContext.attention_backend)")
+        root = context.model_dir
+        assert root is not None
+        try:
+            self.model = build_model(config, context.attention_backend, context.dtype, context.device,
+                                     ops=context.kernel_ops)
+            load_weights(self.model, root)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"speculator.model: cannot load the draft model in {root}: {e}") from None
+        self.model.eval().requires_grad_(False)
+        args = self.model.args
+        self.num_layers, self.num_kv_heads, self.head_dim = args.num_layers, args.num_kv_heads, args.head_dim
+        if any(w is not None for w in args.sliding_windows):
+            raise ValueError(f"speculator.model: {root / CONFIG}: a draft model with sliding-window attention is not "
+                             "supported yet")
+        block_size = context.block_size
+        layer = AttentionLayerSpec(args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim**-0.5, None,
+                                   context.dtype)
+        spec = self.model.attention_backends[0].kv_cache_spec(block_size)
+        expected = kv_cache_block_shape(block_size, layer.num_kv_heads, layer.head_dim)
+        if spec.layout != "HND" or [t[0] for t in spec.tensors[:2]] != [expected, expected] or len(spec.tensors) != 2:
+            raise ValueError(f"draft keeps its KV cache in the default HND layout; attention backend "
+                             f"{getattr(self.model.attention_backends[0], 'name', '?')} lays it out as {spec.layout}")
+        self.block_size = block_size
+        # Positions n - 1 .. n + k - 2 of a request that holds blocks for fewer: at most this many blocks past them.
+        self.scratch_per_request = -(-context.num_speculative_tokens // block_size) + 1
+        self.num_scratch = SCRATCH_REQUESTS * self.scratch_per_request
+        backends = {id(b): b for b in self.model.attention_backends}.values()
+        self.builders = [builder for b in backends if hasattr(b, "metadata_builder")
+                         and (builder := b.metadata_builder(block_size, context.device)) is not None]
+        self._shared_generator = torch.Generator(device=context.device)
+        self._shared_generator.seed()
+        self._generators: dict[str, torch.Generator] = {}
+
+    def memory_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def kv_cache_spec(self) -> DraftKVSpec:
+        return DraftKVSpec(self.num_layers, self.num_kv_heads, self.head_dim, self.context.dtype,
+                           scratch_blocks=self.num_scratch)
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    # --- one step ---------------------------------------------------------------------------------
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, query_lens: list[int],
+                 seq_lens: list[int], rows: torch.Tensor) -> torch.Tensor:
+        """Run the draft over a batch (each request's tokens the last query_lens[i] of its seq_lens[i], in the
+        blocks of its row of `tables`, all on the device); float32 logits of `rows`."""
+        device = self.context.device
+        lens = torch.tensor(query_lens, dtype=torch.long)
+        starts = torch.zeros(len(query_lens) + 1, dtype=torch.long)
+        torch.cumsum(lens, 0, out=starts[1:])
+        owner = torch.repeat_interleave(torch.arange(len(query_lens)), lens, output_size=int(starts[-1]))
+        bs = self.block_size
+        slots = tables[owner, positions // bs].long() * bs + positions % bs
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(device), query_start_loc=starts.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device), block_tables=tables.to(device),
+            query_lens=query_lens, seq_lens_list=seq_lens, max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens), decode_only=all(q == 1 for q in query_lens))
+        for builder in self.builders:
+            builder.build(meta)
+        hidden = self.model(ids.to(device), positions.to(device), meta, self.kv_caches)
+        return self.model.compute_logits(hidden[rows.to(device)])
+
+    def _generator(self, req: Request) -> torch.Generator:
+        seed = req.params.seed
+        if seed is None:
+            return self._shared_generator
+        generator = self._generators.get(req.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.context.device)
+            generator.manual_seed((seed ^ _DRAFT_SEED_SALT) & _SEED_MASK)
+            self._generators[req.request_id] = generator
+        return generator
+
+    def _draw(self, logits: torch.Tensor, requests: list[Request], sampled: list[int]
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next draft of each request ([n] int64), and the distributions of the sampled ones ([len(sampled), V])."""
+        tokens = logits.argmax(dim=-1)
+        if not sampled:
+            return tokens, None
+        picked = [requests[i] for i in sampled]
+        probs = _process(logits[sampled], picked)
+        noise = torch.empty_like(probs)
+        for row, req in enumerate(picked):
+            noise[row].exponential_(generator=self._generator(req))
+        noise.clamp_(min=torch.finfo(torch.float32).tiny)
+        tokens[sampled] = (probs / noise).argmax(dim=-1)  # an exponential race: token t wins with probability p[t]
+        return tokens, probs
+
+    @torch.inference_mode()
+    def propose(self, inputs: SpeculatorInputs) -> list[Proposal | None]:
+        plan = inputs.plan
+        if plan is None:
+            raise ValueError("draft needs the step plan (its block tables) to run the draft model")
+        if not self.kv_caches:
+            raise ValueError("draft has no KV cache bound (the engine allocates the one kv_cache_spec declares)")
+        bs, k = self.block_size, inputs.num_speculative_tokens
+        scratch_next = self.kv_caches[0][0].shape[0] - self.num_scratch
+        scratch_end = self.kv_caches[0][0].shape[0]
+        drafting: dict[int, list[int]] = {}  # batch index -> its block table for the draft passes
+        for i in inputs.propose_for:
+            req = inputs.batch[i]
+            first = plan.seq_lens[i] - plan.query_lens[i]
+            if first + inputs.num_kept[i] != req.num_tokens - 1:  # the kept rows must end just before the newest
+                continue
+            needed = (req.num_tokens - 1 + k - 1) // bs + 1
+            extra = max(0, needed - len(req.block_ids))
+            if scratch_next + extra > scratch_end:
+                continue  # out of scratch blocks this step: no drafts for this one
+            drafting[i] = list(req.block_ids) + list(range(scratch_next, scratch_next + extra))
+            scratch_next += extra
+        # Pass 1: every request's kept tokens (its draft KV then covers what the target computed), plus the newest
+        # token of each drafting request (draft 1 comes from its logits).
+        ids, positions, query_lens, seq_lens, tables, rows = [], [], [], [], [], []
+        width = max([len(t) for t in drafting.values()] + [plan.block_tables.shape[1]])
+        token = 0
+        for i in range(len(inputs.batch)):
+            kept = inputs.num_kept[i]
+            newest = i in drafting
+            if kept + newest == 0:
+                continue
+            first = plan.seq_lens[i] - plan.query_lens[i]
+            start = inputs.query_start_loc[i]
+            ids.append(inputs.token_ids[start:start + kept])
+            if newest:
+                ids.append(torch.tensor([inputs.batch[i].output_token_ids[-1]], dtype=torch.long))
+            positions.append(torch.arange(first, first + kept + newest, dtype=torch.long))
+            query_lens.append(kept + newest)
+            seq_lens.append(first + kept + newest)
+            table = torch.tensor(drafting[i], dtype=torch.int32) if newest else plan.block_tables[i]
+            tables.append(torch.nn.functional.pad(table, (0, width - table.shape[0])))
+            token += kept + newest
+            if newest:
+                rows.append(token - 1)
+        if not query_lens:
+            return [None] * len(inputs.propose_for)
+        order = list(drafting)
+        reqs = [inputs.batch[i] for i in order]
+        logits = self._forward(torch.cat(ids), torch.cat(positions), torch.stack(tables), query_lens, seq_lens,
+                               torch.tensor(rows, dtype=torch.long))
+        if not order:
+            return [None] * len(inputs.propose_for)
+        sampled = [j for j, r in enumerate(reqs) if not r.params.greedy]
+        columns, probs = [], []
+        current, p = self._draw(logits, reqs, sampled)
+        columns.append(current)
+        probs.append(p)
+        # Passes 2..k: one token per drafting request, the previous draft at the next position.
+        draft_tables = torch.stack([torch.nn.functional.pad(torch.tensor(drafting[i], dtype=torch.int32),
+                                                            (0, width - len(drafting[i]))) for i in order])
+        last = torch.tensor([r.num_tokens - 1 for r in reqs], dtype=torch.long)
+        every = torch.arange(len(order), dtype=torch.long)
+        for j in range(1, k):
+            pos = last + j
+            logits = self._forward(current.cpu(), pos, draft_tables, [1] * len(order), (pos + 1).tolist(), every)
+            current, p = self._draw(logits, reqs, sampled)
+            columns.append(current)
+            probs.append(p)
+        tokens = torch.stack(columns, dim=1).tolist()  # [n, k]: the one host sync of the drafts
+        sampled_row = {j: row for row, j in enumerate(sampled)}
+        by_index: dict[int, Proposal] = {}
+        for j, i in enumerate(order):
+            row = sampled_row.get(j)
+            dist = None if row is None else torch.stack([step[row] for step in probs])  # type: ignore[index]
+            by_index[i] = Proposal(tokens[j], dist)
+        return [by_index.get(i) for i in inputs.propose_for]
