@@ -24,7 +24,17 @@ from the target's.
 Writes `eagle3.safetensors` (float16), `config.json` (shape, aux layers) and `training.json` (held-out figures: per
 draft position the share of positions where the chain is still right, and the mean accepted length it implies for
 k drafts, on the target's own continuations of held-out files). `--quick` trains for a minute into a temporary
-directory.
+directory; `--cache FILE` keeps the windows and features (the slow part) for another run.
+
+The committed head came from
+
+    nice -n 5 python examples/train_eagle3.py --steps 3 --minutes 13 --lr 4e-3 --first-step-share 0.4 \
+        --intermediate 344 --cache /tmp/eagle3_cache.pt
+
+on a 2-core machine shared with other jobs (load average 5-12): features 15.5 min (generation 9 min; the file was
+then reused), training 13 min (175 steps). Held-out, on the target's own continuations: chain right 0.70 / 0.51 /
+0.43 for drafts 1-3, mean accepted length 1.70 / 2.20 / 2.63 for k = 1 / 2 / 3. On an idle machine features take
+about 3 minutes.
 """
 
 from __future__ import annotations
@@ -179,7 +189,8 @@ def main() -> None:
     train_files, held_out_files = training_files()
     t0 = time.perf_counter()
     scale = 4 if args.quick else 1
-    if args.cache is not None and args.cache.is_file():
+    cached = args.cache is not None and args.cache.is_file()
+    if cached:
         data = torch.load(args.cache)
     else:
         train_text = encode_files(tokenizer, train_files)
@@ -263,7 +274,8 @@ def main() -> None:
                 "first_step_share": args.first_step_share, "batch_windows": BATCH, "seq_len": SEQ_LEN,
                 "learning_rate": args.lr, "train_positions": int(train.numel()),
                 "draft_vocab_coverage": round(coverage, 4),
-                "feature_seconds": round(feature_seconds), "train_seconds": round(train_seconds),
+                "feature_seconds": round(feature_seconds), "features_from_cache": cached,
+                "train_seconds": round(train_seconds),
                 "final_loss": round(float(loss.detach()), 4),
                 "held_out_generated": generated, "held_out_text": plain, "torch": torch.__version__}
     (out_dir / "training.json").write_text(json.dumps(training, indent=2) + "\n")

@@ -39,10 +39,10 @@ def test_greedy_output_is_the_targets_and_drafts_are_accepted(plain_outputs: lis
     llm = eagle3()
     assert [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == plain_outputs  # batch 1
     stats = llm.engine.stats()
-    # The head was trained (examples/train_eagle3.py; its training.json has the held-out figures): drafts are
-    # accepted far more often than chance (1 in 1024 draftable tokens).
-    assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] / stats["spec_draft_tokens"] > 0.05
-    assert stats["spec_mean_accepted_length"] > 1.1
+    # The head was trained (examples/train_eagle3.py; its training.json has the held-out figures: about 70% of
+    # first drafts right on the target's own continuations): many drafts are accepted.
+    assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] / stats["spec_draft_tokens"] > 0.3, stats
+    assert stats["spec_mean_accepted_length"] > 1.8, stats
 
 
 def test_greedy_output_in_a_batch_of_32(plain_outputs: list[list[int]]) -> None:
