@@ -385,6 +385,7 @@ class LLMEngine:
             return outputs
         t0 = time.perf_counter()
         spec = self.spec
+        spec_t0 = spec.clock() if spec is not None else 0.0
         plan = StepPlan.build(batch.requests, batch.num_tokens,
                               return_hidden_states=spec is not None and spec.return_hidden_states,
                               aux_layers=spec.aux_layers if spec is not None else (),
@@ -428,8 +429,8 @@ class LLMEngine:
         if spec is not None:
             verified = [(req, tokens) for req, tokens in zip(sampled, sampled_tokens, strict=True)
                         if tokens is not None and req.spec_token_ids]
-            spec.record_step(plan.num_tokens, seconds, [(len(req.spec_token_ids), len(tokens) - 1)
-                                                        for req, tokens in verified],
+            spec.record_step(plan.num_tokens, spec.clock() - spec_t0,
+                             [(len(req.spec_token_ids), len(tokens) - 1) for req, tokens in verified],
                              [req.request_id for req, _ in verified])
         failed = {id(req) for req, tokens in zip(sampled, sampled_tokens, strict=True) if tokens is None}
         for req, n in zip(batch.requests, batch.num_tokens, strict=True):

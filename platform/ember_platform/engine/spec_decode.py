@@ -26,6 +26,11 @@ class SpecDecoder:
         self.length = SpeculationLength(num_speculative_tokens, adaptive=adaptive,
                                         tree=bool(speculator.drafts_trees))
         self.max_batch_size = max_batch_size
+        # What a step and a proposal cost, for choosing the draft length: on a CPU the process's CPU time, which a
+        # shared machine's other processes barely move (its wall time swings by more than drafts change a step:
+        # measured +-15% run to run at load 6-12 on 2 cores, so the choice flipped); elsewhere wall time (a GPU's
+        # work is not this process's CPU time).
+        self.clock = time.process_time if speculator.context.device.type == "cpu" else time.perf_counter
         self.max_model_len = max_model_len
         aux = tuple(int(i) for i in speculator.aux_layers())
         outside = [i for i in aux if not 0 <= i < num_layers]
@@ -103,9 +108,9 @@ class SpecDecoder:
             hidden_states=hidden,
             aux_hidden_states=aux, draft_kv_caches=self.draft_kv_caches, plan=plan,
             block_size=self.speculator.context.block_size)
-        started = time.perf_counter()
+        started = self.clock()
         proposals = self.speculator.propose(inputs)
-        self.length.record_draft(k, time.perf_counter() - started)
+        self.length.record_draft(k, self.clock() - started)
         if len(proposals) != len(eligible):
             raise ValueError(f"speculator {type(self.speculator).__name__} returned {len(proposals)} proposals "
                              f"for {len(eligible)} requests")
