@@ -12,8 +12,9 @@ Kernels, chosen per call by the rows of x (`dense_threshold`):
   float32 accumulation, the same order whatever the batch.
 * CPU, more rows of bf16 activations on a CPU with AVX512_BF16 (prefill chunks, batches): `bf16_gemm`, tiles of
   12 weight rows widened exactly into bf16 in a per-thread buffer (in L2) and multiplied with vdpbf16ps (float32
-  sums); no full-precision copy of the weights is kept. Measured 1.1-2.1x the bf16 dense GEMM at 8-64 rows, where
-  the tiled path below ran 0.57-0.96x, and near parity on prefill chunks (bench/bench_quantized_linear.py).
+  sums); no full-precision copy of the weights is kept. Measured 1.1-1.6x the bf16 dense GEMM at 8-64 rows, where
+  the tiled path below ran 0.57-0.96x, and 0.8-1.1x on prefill chunks (bench/bench_quantized_linear.py): there
+  both run vdpbf16ps at its peak and fp8 pays the widening on top.
 * CPU, more rows otherwise (float32 activations, or no AVX512_BF16): `tiled_linear`, tiles of weights widened
   exactly into the activations' dtype in a cache-sized scratch buffer, multiplied by torch's GEMM, scaled per
   channel. No full-precision copy of the weights is ever kept.
@@ -61,8 +62,8 @@ ACTIVATIONS = ("none", "fp8")
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first NVIDIA GPUs with fp8 tensor cores
 # Rows above which the CPU path leaves the native streaming kernel, by activation dtype: where the paths met on
 # llama-150m's shapes (bench/bench_quantized_linear.py --methods fp8 --paths, 2-core AVX-512 EPYC, minimum of
-# interleaved runs). bf16 (into `bf16_gemm`): the streaming kernel was ahead at 1-4 rows (2.0x/1.6x/1.35x dense
-# vs 1.3x/1.2x/1.1x), `bf16_gemm` from 8 (1.2x vs 0.7x). Float32 (into `tiled_linear`): the dense float32 side
+# interleaved runs). bf16 (into `bf16_gemm`): the streaming kernel was ahead at 1, 2 and 4 rows (2.1x/2.0x/1.4x
+# dense vs 1.1x/1.1x/1.2x), `bf16_gemm` from 8 (1.4x vs 0.9x). Float32 (into `tiled_linear`): the dense float32 side
 # streams 4 bytes a weight, so the streaming kernel stays ahead up to 16 rows.
 TILED_THRESHOLD = {torch.bfloat16: 4, torch.float32: 16}
 AUTO = "auto"
