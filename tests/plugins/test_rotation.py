@@ -272,6 +272,7 @@ def test_explain_prints_the_seed_the_rotation_chose(tmp_path: Path) -> None:
     package = tmp_path / "tiny-llama"
     shutil.copytree(EXAMPLE.parent, package, copy_function=os.link, ignore=shutil.ignore_patterns("speculator"))
     toml = (package / "ember.toml").read_text()
+    (package / "ember.toml").unlink()  # a hardlink to the example's own file: writing through it would edit that
     (package / "ember.toml").write_text(toml + '\n[quantization]\nmethod = ["rotation", "int8"]\n'
                                         'options = { rotation = { seed = 2, candidates = 2 } }\n')
     LLM(package)  # quantizes, choosing the seed, and saves the choice beside the cached weights
