@@ -5,18 +5,20 @@ The draft is a Hugging Face checkpoint in the package's `[speculator] model` dir
 model.safetensors; made for the example by `examples/train_draft.py`), built and loaded with the engine's own model
 code (`build_model` / `load_weights`) on the selected attention backend, with its own paged KV cache (`kv_cache_spec`:
 as many blocks as the target's, so a request's block table addresses both, plus scratch blocks, below). Each step,
-after the target verified the step's drafts, the draft runs for every request of the batch at once:
+after the target verified the step's drafts, the draft runs for every request it drafts for at once:
 
-1. one pass over each request's kept tokens (prompt chunks and verified tokens alike, so its cache covers every
-   position the target computed) plus, for the requests it drafts for, their newest token: its logits give draft 1;
+1. one pass over each request's tokens its draft cache does not hold yet (the whole sequence the first time it
+   drafts for it, prompt included, or after a preemption; else the tokens verified since it last drafted), the newest
+   last: its logits give draft 1;
 2. k - 1 passes of one token per drafting request (the previous draft at the next position): drafts 2..k.
 
-The drafted positions' KV is written where the request's block table puts those positions and is simply written
-over when the true tokens arrive (step 1 of a later step recomputes every kept position); positions past the blocks
-a request holds yet go to scratch blocks past the shared ones (`DraftKVSpec.scratch_blocks`), a few per request for
-the step. A request that needs more scratch than is left gets no drafts that step. A prefix-cache hit reads the draft
-KV its blocks got when they were computed; blocks whose target KV came from elsewhere (a KV tier, a wake from sleep)
-hold no valid draft KV, which costs acceptance there, never exactness: the target verifies every draft.
+The cache catches up lazily, when a request is drafted for, so a step that drafts nothing (the engine chose k = 0:
+a large batch, low acceptance) costs no pass at all. The drafted positions' KV is written where the request's block
+table puts those positions and is simply written over when the true tokens arrive (pass 1 rewrites every position
+from the newest the cache was sure of); positions past the blocks a request holds yet go to scratch blocks past the
+shared ones (`DraftKVSpec.scratch_blocks`), a few per request for the step. A request that needs more scratch than
+is left gets no drafts that step. Each request's draft KV is computed from its own tokens (never taken from a prefix
+cache hit, whose blocks it rewrites with the same values), so KV tiers and sleep cost it nothing but a recompute.
 
 Greedy requests draft the argmax. Sampled requests draw each draft from the draft's distribution after the request's
 own temperature, top-k, top-p and min-p (penalties and logit bias are the target's alone: rejection sampling keeps the
@@ -45,6 +47,7 @@ from ember_platform.api import (
     AttentionLayerSpec,
     AttentionMetadata,
     DraftKVSpec,
+    KVCache,
     Proposal,
     Request,
     Speculator,
@@ -170,6 +173,8 @@ class DraftSpeculator(Speculator):
         self._shared_generator = torch.Generator(device=context.device)
         self._shared_generator.seed()
         self._generators: dict[str, torch.Generator] = {}
+        # request id -> (its block list when last drafted for, positions 0..n - 1 its draft cache holds since)
+        self._done: dict[str, tuple[list[int], int]] = {}
 
     def memory_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -178,8 +183,13 @@ class DraftSpeculator(Speculator):
         return DraftKVSpec(self.num_layers, self.num_kv_heads, self.head_dim, self.context.dtype,
                            scratch_blocks=self.num_scratch)
 
+    def bind_kv_cache(self, kv_caches: list[KVCache]) -> None:
+        super().bind_kv_cache(kv_caches)
+        self._done.clear()  # a new (or woken, zeroed) cache holds nothing yet
+
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._done.pop(request_id, None)
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -232,9 +242,6 @@ class DraftSpeculator(Speculator):
 
     @torch.inference_mode()
     def propose(self, inputs: SpeculatorInputs) -> list[Proposal | None]:
-        plan = inputs.plan
-        if plan is None:
-            raise ValueError("draft needs the step plan (its block tables) to run the draft model")
         if not self.kv_caches:
             raise ValueError("draft has no KV cache bound (the engine allocates the one kv_cache_spec declares)")
         bs, k = self.block_size, inputs.num_speculative_tokens
@@ -243,8 +250,7 @@ class DraftSpeculator(Speculator):
         drafting: dict[int, list[int]] = {}  # batch index -> its block table for the draft passes
         for i in inputs.propose_for:
             req = inputs.batch[i]
-            first = plan.seq_lens[i] - plan.query_lens[i]
-            if first + inputs.num_kept[i] != req.num_tokens - 1:  # the kept rows must end just before the newest
+            if req.num_computed_tokens != req.num_tokens - 1:  # the target computed all but the newest token
                 continue
             needed = (req.num_tokens - 1 + k - 1) // bs + 1
             extra = max(0, needed - len(req.block_ids))
@@ -252,37 +258,32 @@ class DraftSpeculator(Speculator):
                 continue  # out of scratch blocks this step: no drafts for this one
             drafting[i] = list(req.block_ids) + list(range(scratch_next, scratch_next + extra))
             scratch_next += extra
-        # Pass 1: every request's kept tokens (its draft KV then covers what the target computed), plus the newest
-        # token of each drafting request (draft 1 comes from its logits).
-        ids, positions, query_lens, seq_lens, tables, rows = [], [], [], [], [], []
-        width = max([len(t) for t in drafting.values()] + [plan.block_tables.shape[1]])
-        token = 0
-        for i in range(len(inputs.batch)):
-            kept = inputs.num_kept[i]
-            newest = i in drafting
-            if kept + newest == 0:
-                continue
-            first = plan.seq_lens[i] - plan.query_lens[i]
-            start = inputs.query_start_loc[i]
-            ids.append(inputs.token_ids[start:start + kept])
-            if newest:
-                ids.append(torch.tensor([inputs.batch[i].output_token_ids[-1]], dtype=torch.long))
-            positions.append(torch.arange(first, first + kept + newest, dtype=torch.long))
-            query_lens.append(kept + newest)
-            seq_lens.append(first + kept + newest)
-            table = torch.tensor(drafting[i], dtype=torch.int32) if newest else plan.block_tables[i]
-            tables.append(torch.nn.functional.pad(table, (0, width - table.shape[0])))
-            token += kept + newest
-            if newest:
-                rows.append(token - 1)
-        if not query_lens:
+        if not drafting:  # nothing to draft: no pass at all (the cache catches up when drafting resumes)
             return [None] * len(inputs.propose_for)
+        # Pass 1: each drafting request's tokens the draft cache does not hold yet (all of them the first time, or
+        # after a preemption; else those since its last drafting step), the newest last: its logits give draft 1.
+        ids, positions, query_lens, seq_lens, tables, rows = [], [], [], [], [], []
+        width = max(len(t) for t in drafting.values())
+        token = 0
+        for i, table in drafting.items():
+            req = inputs.batch[i]
+            blocks, done = self._done.get(req.request_id, (None, 0))
+            if blocks is not req.block_ids or done > req.num_tokens - 1:
+                done = 0  # new, or preempted (its blocks freed: a new list) and recomputed: start over
+            ids.append(torch.tensor(req.all_token_ids[done:], dtype=torch.long))
+            positions.append(torch.arange(done, req.num_tokens, dtype=torch.long))
+            query_lens.append(req.num_tokens - done)
+            seq_lens.append(req.num_tokens)
+            tables.append(torch.nn.functional.pad(torch.tensor(table, dtype=torch.int32), (0, width - len(table))))
+            token += req.num_tokens - done
+            rows.append(token - 1)
+            # Held from now on: every position before the newest (the newest's KV may sit in a scratch block, and the
+            # drafted positions' KV is only a guess: both are written again next time).
+            self._done[req.request_id] = (req.block_ids, req.num_tokens - 1)
         order = list(drafting)
         reqs = [inputs.batch[i] for i in order]
         logits = self._forward(torch.cat(ids), torch.cat(positions), torch.stack(tables), query_lens, seq_lens,
                                torch.tensor(rows, dtype=torch.long))
-        if not order:
-            return [None] * len(inputs.propose_for)
         sampled = [j for j, r in enumerate(reqs) if not r.params.greedy]
         columns, probs = [], []
         current, p = self._draw(logits, reqs, sampled)
