@@ -137,10 +137,10 @@ def test_package_hooks_override_plugins(use_plugins, make_package) -> None:
 
 def test_selection_of_an_uninstalled_technique_is_refused(make_package) -> None:
     pkg = write_hooks(make_package(), "from ember import hookimpl\n\n@hookimpl\n"
-                      "def ember_select_speculator():\n    return 'eagle3'\n")
+                      "def ember_select_speculator():\n    return 'lookahead'\n")
     manifest, host = load_package(pkg)
     with pytest.raises(PluginError, match=r"package hooks.py \(ember_select_speculator\) chose speculator "
-                                          r"'eagle3': no installed plugin provides speculator 'eagle3'"):
+                                          r"'lookahead': no installed plugin provides speculator 'lookahead'"):
         host.select("speculator", manifest, CPU)
 
 

@@ -162,7 +162,7 @@ BAD_BITS = '\n[quantization]\nmethod = "gptq"\noptions = { bits = 3 }\n'
     ("", ["--method", "int8", "--calibration", "EMPTY"], r"--calibration .*empty.txt: the file is empty"),
     ("", ["--method", "int8", "--calibration", "BINARY"], r"--calibration .*binary.txt: not UTF-8 text"),
     (GPTQ_TABLE, ["--method", "int8"], r"ember.toml: \[quantization\] method = 'gptq', not --method 'int8'"),
-    (BAD_BITS, ["--method", "gptq"], r"ember.toml: quantization 'gptq': quantization.options.bits = 3"),
+    (BAD_BITS, ["--method", "gptq"], r"ember.toml: quantization.options.bits = 3: gptq stores 4-bit or 8-bit weights"),
 ])
 def test_errors_name_the_flag_or_file_and_key(tmp_path: Path, example_copy: Callable[..., Path],
                                               capsys: pytest.CaptureFixture[str], table: str, args: list[str],
