@@ -13,10 +13,11 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -385,3 +386,24 @@ def spec_distribution_fixture() -> ModuleType:
         sys.modules[name] = module  # dataclasses resolve their module by name
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+@pytest.fixture(name="run_preempted", scope="session")
+def run_preempted_fixture() -> Callable[..., list[list[int]]]:
+    """`run_preempted(engine, prompts, params)`: adds the prompts as requests "0", "1", ..., steps the engine until
+    all finish, asserts that at least one request was preempted (the engine's KV pool must be too small for all of
+    them at once), and returns each request's generated tokens in prompt order."""
+
+    def run(engine: Any, prompts: Sequence[Any], params: Any) -> list[list[int]]:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        preempted = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+            preempted = max(preempted, max((r.num_preemptions for r in engine.scheduler.running), default=0))
+        assert preempted > 0, "no request was preempted: the KV pool is large enough for all of them"
+        return [tokens[str(i)] for i in range(len(prompts))]
+
+    return run

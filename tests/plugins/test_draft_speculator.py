@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -46,21 +47,13 @@ def test_greedy_output_is_the_targets_alone_and_in_a_batch_of_32(plain_outputs: 
     assert [out.token_ids for out in outputs] == plain_outputs * 8
 
 
-def test_greedy_output_survives_preemption(plain_outputs: list[list[int]]) -> None:
+def test_greedy_output_survives_preemption(plain_outputs: list[list[int]],
+                                           run_preempted: Callable[..., list[list[int]]]) -> None:
     # 9 blocks of 16 tokens cannot hold 4 requests of up to ~60 tokens each: the newest are preempted and recomputed
     # (the draft's cache with them: it is rewritten from the recomputed prompt).
     engine = LLMEngine(EXAMPLE, speculator="draft", speculator_model=DRAFT, num_speculative_tokens=3,
                        speculator_adaptive=False, num_kv_blocks=9)
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, GREEDY)
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
-    preempted = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-        preempted = max(preempted, max((r.num_preemptions for r in engine.scheduler.running), default=0))
-    assert preempted > 0
-    assert [tokens[str(i)] for i in range(len(PROMPTS))] == plain_outputs
+    assert run_preempted(engine, PROMPTS, GREEDY) == plain_outputs
     assert engine.num_accepted_tokens > 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -53,20 +54,12 @@ def test_greedy_output_in_a_batch_of_32(plain_outputs: list[list[int]]) -> None:
     assert llm.engine.stats()["spec_accepted_tokens"] > 0
 
 
-def test_greedy_output_survives_preemption(plain_outputs: list[list[int]]) -> None:
+def test_greedy_output_survives_preemption(plain_outputs: list[list[int]],
+                                           run_preempted: Callable[..., list[list[int]]]) -> None:
     # 9 blocks of 16 tokens cannot hold 4 requests of up to ~60 tokens each: the newest are preempted and recomputed.
     engine = LLMEngine(EXAMPLE, speculator="eagle3", speculator_model=HEAD, num_speculative_tokens=3,
                        speculator_adaptive=False, num_kv_blocks=9)
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, GREEDY)
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
-    preempted = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-        preempted = max(preempted, max((r.num_preemptions for r in engine.scheduler.running), default=0))
-    assert preempted > 0
-    assert [tokens[str(i)] for i in range(len(PROMPTS))] == plain_outputs
+    assert run_preempted(engine, PROMPTS, GREEDY) == plain_outputs
     assert engine.num_accepted_tokens > 0
 
 
@@ -88,19 +81,11 @@ def test_dynamic_tree_output_is_the_targets_and_accepts_more_than_the_chain(plai
     assert outputs[0].token_ids == plain_outputs[0] and outputs[2].token_ids == plain_outputs[2]
 
 
-def test_dynamic_tree_survives_preemption(plain_outputs: list[list[int]]) -> None:
+def test_dynamic_tree_survives_preemption(plain_outputs: list[list[int]],
+                                          run_preempted: Callable[..., list[list[int]]]) -> None:
     engine = LLMEngine(EXAMPLE, speculator="eagle3", speculator_model=HEAD, num_speculative_tokens=6,
                        speculator_adaptive=False, speculator_options=TREE, num_kv_blocks=9)
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, GREEDY)
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
-    preempted = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-        preempted = max(preempted, max((r.num_preemptions for r in engine.scheduler.running), default=0))
-    assert preempted > 0
-    assert [tokens[str(i)] for i in range(len(PROMPTS))] == plain_outputs
+    assert run_preempted(engine, PROMPTS, GREEDY) == plain_outputs
 
 
 def test_drafting_resumes_after_steps_with_nothing_to_propose_for(plain_outputs: list[list[int]]) -> None:

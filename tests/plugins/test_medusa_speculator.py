@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -42,21 +43,13 @@ def test_greedy_output_is_the_targets_and_drafts_are_accepted(plain_outputs: lis
     assert stats["spec_mean_accepted_length"] > 1.3
 
 
-def test_greedy_output_survives_preemption(plain_outputs: list[list[int]]) -> None:
+def test_greedy_output_survives_preemption(plain_outputs: list[list[int]],
+                                           run_preempted: Callable[..., list[list[int]]]) -> None:
     # 9 blocks of 16 tokens cannot hold 4 requests of up to ~60 tokens each: the newest are preempted and recomputed.
     engine = LLMEngine(EXAMPLE, speculator="medusa", speculator_model=HEADS, num_speculative_tokens=3,
                        speculator_adaptive=False, num_kv_blocks=9)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, params)
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
-    preempted = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-        preempted = max(preempted, max((r.num_preemptions for r in engine.scheduler.running), default=0))
-    assert preempted > 0
-    assert [tokens[str(i)] for i in range(len(PROMPTS))] == plain_outputs
+    assert run_preempted(engine, PROMPTS, params) == plain_outputs
 
 
 def test_sampled_requests_mix_with_greedy_ones_in_a_batch(plain_outputs: list[list[int]]) -> None:
@@ -119,20 +112,12 @@ def test_tree_greedy_output_in_a_batch_of_32(plain_outputs: list[list[int]]) -> 
     assert llm.engine.stats()["spec_mean_accepted_length"] > 1.5
 
 
-def test_tree_greedy_output_survives_preemption(plain_outputs: list[list[int]]) -> None:
+def test_tree_greedy_output_survives_preemption(plain_outputs: list[list[int]],
+                                                run_preempted: Callable[..., list[list[int]]]) -> None:
     engine = LLMEngine(EXAMPLE, speculator="medusa", speculator_model=HEADS, num_speculative_tokens=15,
                        speculator_options={"tree": TREE}, speculator_adaptive=False, num_kv_blocks=9)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, params)
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
-    preempted = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-        preempted = max(preempted, max((r.num_preemptions for r in engine.scheduler.running), default=0))
-    assert preempted > 0
-    assert [tokens[str(i)] for i in range(len(PROMPTS))] == plain_outputs
+    assert run_preempted(engine, PROMPTS, params) == plain_outputs
 
 
 def test_tree_sampled_requests_mix_with_greedy_ones(plain_outputs: list[list[int]]) -> None:
