@@ -122,7 +122,7 @@ def test_missing_or_mismatched_draft_models_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"speculator\.model: .*eos_token_id is 3, the target's is 1"):
         load()
     config_path.write_text("{not json")
-    with pytest.raises(ValueError, match=r"speculator\.model: cannot read the draft model's .*config\.json"):
+    with pytest.raises(ValueError, match=r"speculator\.model: cannot read the draft model config .*config\.json"):
         load()
     config_path.write_text(json.dumps(config))
     tokenizer_path = root / "tokenizer.json"

@@ -76,7 +76,7 @@ def test_heads_for_another_model_or_too_few_are_refused(tmp_path: Path) -> None:
     config_path.write_text(json.dumps({**config, "hidden_size": 512}))
     with pytest.raises(ValueError, match="trained for hidden_size 512, the model has 256"):
         LLM(str(package), speculator="medusa", speculator_model=HEADS, num_speculative_tokens=2)
-    with pytest.raises(ValueError, match=r"speculator\.model: medusa needs the directory of its heads"):
+    with pytest.raises(ValueError, match=r"speculator\.model: medusa needs the directory of its Medusa heads"):
         LLM(str(package), speculator="medusa", num_speculative_tokens=2)
     config_path.write_text(json.dumps(config))
 

@@ -57,6 +57,7 @@ from ember_platform.api import (
     kv_cache_block_shape,
     load_weights,
 )
+from ember_plugins.speculators.model_dir import read_model_config
 
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
@@ -75,19 +76,9 @@ def _tokenizer_identity(path: Path) -> Any:
 
 def read_draft_config(context: SpeculatorContext) -> dict[str, Any]:
     """The draft's config.json, checked against the target (ValueError naming speculator.model and the key)."""
-    if context.model_dir is None:
-        raise ValueError("speculator.model: draft needs the directory of its draft model ([speculator] model = "
-                         "\"speculator/draft\", a Hugging Face checkpoint made by examples/train_draft.py)")
-    root = context.model_dir
-    path = root / CONFIG
-    if not root.is_dir():
-        raise ValueError(f"speculator.model: the draft model directory {root} does not exist")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"speculator.model: cannot read the draft model's {path}: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"speculator.model: {path} is not a JSON object")
+    path, config = read_model_config(context, "draft", "draft model",
+                                     "examples/train_draft.py, a Hugging Face checkpoint")
+    root = path.parent
     target = context.target_config
     for key in ("vocab_size", *SPECIAL_IDS):
         if (key == "vocab_size" or key in config or key in target) and config.get(key) != target.get(key):

@@ -32,7 +32,6 @@ loaded from KV tiers carry none of the head's K/V: drafts there are worse, outpu
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +40,7 @@ import torch
 from torch.nn import functional as F
 
 from ember_platform.api import DraftKVSpec, Proposal, Request, Speculator, SpeculatorContext, SpeculatorInputs, write_kv
+from ember_plugins.speculators.model_dir import read_model_config
 
 CONFIG = "config.json"
 WEIGHTS = "eagle3.safetensors"
@@ -56,17 +56,10 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
 
 
 def _read_config(context: SpeculatorContext) -> dict[str, Any]:
-    if context.model_dir is None:
-        raise ValueError("speculator.model: eagle3 needs the directory of its draft head ([speculator] model = "
-                         "\"speculator/eagle3\", made by examples/train_eagle3.py)")
-    path = context.model_dir / CONFIG
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"speculator.model: cannot read the EAGLE-3 head's {path}: {e}") from None
-    if not isinstance(config, dict) or config.get("architecture") != "eagle3":
+    path, config = read_model_config(context, "eagle3", "EAGLE-3 head", "examples/train_eagle3.py")
+    if config.get("architecture") != "eagle3":
         raise ValueError(f"speculator.model: {path} does not describe an EAGLE-3 head (architecture "
-                         f"{config.get('architecture') if isinstance(config, dict) else None!r}, expected 'eagle3')")
+                         f"{config.get('architecture')!r}, expected 'eagle3')")
     if not config.get("uses_target_lm_head") or not config.get("uses_target_embeddings"):
         raise ValueError(f"speculator.model: {path}: only heads on the target's own embeddings and LM head are "
                          "supported (uses_target_embeddings and uses_target_lm_head true)")

@@ -22,7 +22,6 @@ Drafts never go deeper than the tokens a request may still generate (`max_tokens
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,8 +29,8 @@ import torch
 from torch import nn
 
 from ember_platform.api import Proposal, Speculator, SpeculatorContext, SpeculatorInputs
+from ember_plugins.speculators.model_dir import read_model_config
 
-CONFIG = "config.json"
 WEIGHTS = "medusa.safetensors"
 
 
@@ -65,14 +64,7 @@ class MedusaHeads(nn.Module):
 
 
 def _read_config(context: SpeculatorContext) -> dict[str, Any]:
-    if context.model_dir is None:
-        raise ValueError("speculator.model: medusa needs the directory of its heads ([speculator] model = "
-                         "\"speculator/medusa\", made by examples/train_medusa.py)")
-    path = context.model_dir / CONFIG
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"speculator.model: cannot read the Medusa heads' {path}: {e}") from None
+    path, config = read_model_config(context, "medusa", "Medusa heads", "examples/train_medusa.py")
     if config.get("architecture") != "medusa" or not config.get("uses_target_lm_head"):
         raise ValueError(f"speculator.model: {path} does not describe Medusa heads on the target's LM head "
                          f"(architecture {config.get('architecture')!r})")
