@@ -103,22 +103,22 @@ class StepSampler:
             else:
                 results.append(verify_greedy(token_rows[row:row + num_rows[i]], drafts[i]))
         # Sampled drafts are verified by rejection, all requests at once: the output keeps the target's distribution.
-        rejected = [i for i, r in enumerate(reqs) if drafts[i] and not r.params.greedy and trees[i] is None]
-        rejected_trees = [i for i, r in enumerate(reqs) if drafts[i] and not r.params.greedy and trees[i] is not None]
-        probs = out.probs
-        if rejected:
-            verified = rejection_sample(probs, [starts[i] for i in rejected],
-                                        [drafts[i] for i in rejected], [draft_probs[i] for i in rejected],
-                                        [states[i].generator for i in rejected],
-                                        self.sampler.shared_generator(logits.device))
-            for i, tokens in zip(rejected, verified, strict=True):
+        # Chains and trees of drafts each go through their own sampler, every request of a kind at once.
+        sampled = [i for i, r in enumerate(reqs) if drafts[i] and not r.params.greedy]
+        shared = self.sampler.shared_generator(logits.device) if sampled else None
+        chains = [i for i in sampled if trees[i] is None]
+        tree_reqs = [i for i in sampled if trees[i] is not None]
+        if chains:
+            verified = rejection_sample(out.probs, [starts[i] for i in chains], [drafts[i] for i in chains],
+                                        [draft_probs[i] for i in chains], [states[i].generator for i in chains],
+                                        shared)
+            for i, tokens in zip(chains, verified, strict=True):
                 results[i] = tokens
-        if rejected_trees:
-            verified = tree_rejection_sample(probs, [starts[i] for i in rejected_trees],
-                                             [drafts[i] for i in rejected_trees], [trees[i] for i in rejected_trees],
-                                             [states[i].generator for i in rejected_trees],
-                                             self.sampler.shared_generator(logits.device))
-            for i, tokens in zip(rejected_trees, verified, strict=True):
+        if tree_reqs:
+            verified = tree_rejection_sample(out.probs, [starts[i] for i in tree_reqs], [drafts[i] for i in tree_reqs],
+                                             [trees[i] for i in tree_reqs], [states[i].generator for i in tree_reqs],
+                                             shared)
+            for i, tokens in zip(tree_reqs, verified, strict=True):
                 results[i] = tokens
         # Recorded only now: when this raises part-way, the requests are sampled again one by one (see sample).
         for state, logprobs in new_logprobs:
