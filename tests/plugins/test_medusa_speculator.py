@@ -141,3 +141,57 @@ def test_bad_tree_values_are_refused(tree: object, k: int, message: str) -> None
     with pytest.raises(ValueError, match=message):
         LLM(str(EXAMPLE), speculator="medusa", speculator_model=HEADS, num_speculative_tokens=k,
             speculator_options={"tree": tree})
+
+
+# --- draft vocabulary (the heads' draft_vocab; options.draft_vocab) -------------------------------------------------
+
+def test_heads_draft_only_from_their_draft_vocabulary(plain_outputs: list[list[int]]) -> None:
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for options in ({}, {"tree": TREE}):
+        llm = medusa(**({"num_speculative_tokens": 15} if options else {}), speculator_options=options)
+        spec = llm.engine.speculator
+        vocab = set(spec.draft_vocab.tolist())
+        assert spec.head_weight.shape == (len(vocab), 256) and len(vocab) < 4096  # the LM head's rows, copied once
+        drafted: list[int] = []
+        propose = spec.propose
+
+        def recording(inputs, propose=propose, drafted=drafted):  # type: ignore[no-untyped-def]
+            out = propose(inputs)
+            drafted.extend(t for p in out if p is not None for t in p.token_ids)
+            return out
+
+        spec.propose = recording
+        assert [out.token_ids for out in llm.generate(PROMPTS, params)] == plain_outputs
+        assert drafted and set(drafted) <= vocab
+        assert llm.engine.stats()["spec_accepted_tokens"] > 0
+
+
+def test_draft_vocab_false_scores_the_whole_vocabulary(plain_outputs: list[list[int]]) -> None:
+    llm = medusa(speculator_options={"draft_vocab": False})
+    assert llm.engine.speculator.head_weight is None and llm.engine.speculator.draft_vocab is None
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert [out.token_ids for out in llm.generate(PROMPTS, params)] == plain_outputs
+    assert llm.engine.stats()["spec_accepted_tokens"] > 0
+
+
+def test_bad_draft_vocab_values_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"speculator\.options\.draft_vocab must be true or false"):
+        medusa(speculator_options={"draft_vocab": "yes"})
+    from safetensors.torch import load_file, save_file
+
+    package = copy_heads(tmp_path)
+    weights, config_path = package / HEADS / "medusa.safetensors", package / HEADS / "config.json"
+    state = load_file(str(weights))
+    config = json.loads(config_path.read_text())
+    vocab = state.pop("draft_vocab")
+    save_file(state, str(weights))
+    with pytest.raises(ValueError, match=r"disagree on a draft vocabulary"):
+        LLM(str(package), speculator="medusa", speculator_model=HEADS, num_speculative_tokens=2)
+    config_path.write_text(json.dumps({k: v for k, v in config.items() if k != "draft_vocab_size"}))
+    with pytest.raises(ValueError, match=r"speculator\.options\.draft_vocab: the heads .* whole vocabulary"):
+        LLM(str(package), speculator="medusa", speculator_model=HEADS, num_speculative_tokens=2,
+            speculator_options={"draft_vocab": True})
+    save_file({**state, "draft_vocab": vocab.flip(0)[:10]}, str(weights))
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"draft_vocab must hold \d+ distinct token ids"):
+        LLM(str(package), speculator="medusa", speculator_model=HEADS, num_speculative_tokens=2)

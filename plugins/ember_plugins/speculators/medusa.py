@@ -6,7 +6,13 @@ kept hidden state of a request gives its next k drafts, with no extra pass of an
 matmuls plus k LM-head projections of one row per request.
 
 The heads come from the package's `[speculator] model` directory (`config.json` + `medusa.safetensors`, made for
-the example by `examples/train_medusa.py`). Drafts are the heads' top-1 tokens, verified as a chain (the engine's
+the example by `examples/train_medusa.py`). Heads trained on a draft vocabulary (`draft_vocab_size` in the config,
+`draft_vocab` in the weights: the target ids of the tokens the target chooses most often, as EAGLE-3's) score only
+those tokens, through the matching rows of the target's LM head, copied once: at batch 1 on a CPU the full LM head
+read k times a step is the heads' main cost (4096 x 256 fp32 leaves the cache; 1024 rows stay in it). A token
+outside it is never drafted; the target verifies every draft, so outputs are unchanged. Option `draft_vocab`
+(`[speculator] options = {draft_vocab = false}`; default true when the heads carry one) scores the whole vocabulary
+instead. Drafts are the heads' top-1 tokens, verified as a chain (the engine's
 greedy check or rejection sampling, which keeps the target's distribution exactly: the drafts are deterministic,
 so their proposal is the point mass).
 
@@ -77,6 +83,30 @@ def _read_config(context: SpeculatorContext) -> dict[str, Any]:
         raise ValueError(f"speculator.model: {path}: num_layers {config.get('num_layers')} is not supported yet "
                          "(one residual block per head)")
     return config
+
+
+def _read_draft_vocab(value: Any, state: Mapping[str, torch.Tensor], config: Mapping[str, Any], path: Any,
+                      vocab_size: int) -> torch.Tensor | None:
+    """The draft vocabulary's target ids if the heads carry one and option `draft_vocab` does not turn it off."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"speculator.options.draft_vocab must be true or false (score only the heads' draft "
+                         f"vocabulary, or the target's whole one), got {value!r}")
+    vocab = state.get("draft_vocab")
+    size = config.get("draft_vocab_size")
+    if (vocab is None) != (size is None):
+        raise ValueError(f"speculator.model: {path} and its config.json disagree on a draft vocabulary "
+                         f"(draft_vocab_size {size!r}, draft_vocab tensor "
+                         f"{'present' if vocab is not None else 'absent'})")
+    if vocab is None:
+        if value:
+            raise ValueError(f"speculator.options.draft_vocab: the heads in {path} were trained on the whole "
+                             "vocabulary (no draft_vocab); remove the option")
+        return None
+    if (vocab.dim() != 1 or vocab.dtype != torch.long or len(vocab) != int(size)
+            or not bool(((vocab >= 0) & (vocab < vocab_size)).all()) or len(vocab.unique()) != len(vocab)):
+        raise ValueError(f"speculator.model: {path}: draft_vocab must hold {size} distinct token ids in "
+                         f"0..{vocab_size - 1}")
+    return vocab if value is None or value else None
 
 
 def _read_tree(value: Any, num_heads: int, budget: int) -> tuple[int, ...] | None:
@@ -154,7 +184,10 @@ class MedusaSpeculator(Speculator):
         from safetensors.torch import load_file
 
         self.heads = MedusaHeads(self.num_heads, int(config["hidden_size"]))
-        state = load_file(str(context.model_dir / WEIGHTS), device="cpu")  # type: ignore[operator]
+        path = context.model_dir / WEIGHTS  # type: ignore[operator]
+        state = load_file(str(path), device="cpu")
+        vocab = _read_draft_vocab(self.options.get("draft_vocab"), state, config, path, context.vocab_size)
+        state.pop("draft_vocab", None)
         missing, unexpected = self.heads.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"speculator.model: {context.model_dir / WEIGHTS} does not hold {self.num_heads} "
@@ -162,9 +195,31 @@ class MedusaSpeculator(Speculator):
         self.heads.to(device=context.device, dtype=context.dtype).eval().requires_grad_(False)
         self.heads.pack()
         self.lm_head = target.lm_head
+        # Draft vocabulary: the LM head's rows for it, one [N, D] matrix (None: the whole LM head). A quantized LM
+        # head keeps its own weight format; its rows are taken from what it computes for the identity.
+        self.draft_vocab = vocab.to(context.device) if vocab is not None else None
+        self.head_weight = self._head_rows(self.draft_vocab) if self.draft_vocab is not None else None
+
+    def _head_rows(self, vocab: torch.Tensor) -> torch.Tensor:
+        weight = getattr(self.lm_head, "weight", None)
+        dtype = self.context.dtype
+        with torch.inference_mode():
+            if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dim() == 2:
+                return weight.detach().index_select(0, vocab).to(dtype).contiguous()
+            eye = torch.eye(int(self.heads.heads[0]["linear"].in_features), device=vocab.device, dtype=dtype)
+            cols = self.lm_head(eye) - self.lm_head(torch.zeros_like(eye[:1]))  # [D, V]: a linear map's columns
+            return cols.index_select(1, vocab).t().contiguous()
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, V or N]: the LM head over the draft vocabulary if any (ids: `_ids`)."""
+        return self.lm_head(x) if self.head_weight is None else torch.nn.functional.linear(x, self.head_weight)
+
+    def _ids(self, index: torch.Tensor) -> torch.Tensor:
+        return index if self.draft_vocab is None else self.draft_vocab[index]
 
     def memory_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.heads.parameters())
+        rows = self.head_weight.numel() * self.head_weight.element_size() if self.head_weight is not None else 0
+        return rows + sum(p.numel() * p.element_size() for p in self.heads.parameters())
 
     @torch.inference_mode()
     def propose(self, inputs: SpeculatorInputs) -> list[Proposal | None]:
@@ -177,7 +232,7 @@ class MedusaSpeculator(Speculator):
             return self._propose_tree(newest, inputs.num_speculative_tokens)
         k = min(inputs.num_speculative_tokens, self.num_heads)
         # The row's own prediction is the token the target just sampled; head i guesses the one i + 1 after it.
-        drafts = self.lm_head(self.heads(newest, k).reshape(-1, newest.shape[-1])).argmax(-1).view(k, -1)
+        drafts = self._ids(self._logits(self.heads(newest, k).reshape(-1, newest.shape[-1])).argmax(-1)).view(k, -1)
         return [Proposal(column) for column in drafts.t().tolist()]
 
     def _propose_tree(self, newest: torch.Tensor, budget: int) -> list[Proposal | None]:
@@ -185,10 +240,10 @@ class MedusaSpeculator(Speculator):
         template = self.template
         assert template is not None and self.tree is not None
         n, depth, width = newest.shape[0], template.depth, template.width
-        logits = self.lm_head(self.heads(newest, depth).reshape(-1, newest.shape[-1])).view(depth, n, -1)
+        logits = self._logits(self.heads(newest, depth).reshape(-1, newest.shape[-1])).view(depth, n, -1)
         top = logits.float().log_softmax(-1).topk(width, dim=-1)  # [depth, n, width] log-probs and ids
         values = torch.cat([top.values.permute(1, 0, 2).reshape(n, -1), top.values.new_zeros(n, 1)], dim=1)
-        ids = top.indices.permute(1, 0, 2).reshape(n, -1)
+        ids = self._ids(top.indices.permute(1, 0, 2).reshape(n, -1))
         scores = values[:, template.columns].sum(-1)  # [n, N]: each node's path log-probability
         budget = min(budget, len(template))
         # Stable: a child never scores above its parent, and ties keep the shallower (earlier) node first.
