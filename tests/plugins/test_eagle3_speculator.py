@@ -134,13 +134,21 @@ def reference_drafts(draft: torch.nn.Module, hf_model: torch.nn.Module, layers: 
     return drafts
 
 
-def test_the_engine_drafts_what_the_head_computes_from_the_targets_hidden_states() -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernel", "torch"])
+def test_the_engine_drafts_what_the_head_computes_from_the_targets_hidden_states(native: bool) -> None:
+    # Both drafting paths: the native kernel (eagle3_draft.c, one call per request and step; its matrices in
+    # bfloat16) and the torch ops.
     from transformers import LlamaForCausalLM
 
-    llm = eagle3(enable_prefix_caching=False)
+    llm = eagle3(enable_prefix_caching=False, speculator_options={"native_draft": native})
     speculator = llm.engine.speculator
+    assert (speculator.native is not None) is native
     seen: list[tuple[list[int], list[int]]] = []
     propose = speculator.propose
+    kernel_calls = []
+    if native:
+        kernel = speculator.native.draft
+        speculator.native.draft = lambda *args: kernel_calls.append(args[-2]) or kernel(*args)
 
     def recording(inputs):  # the engine's call, observed
         proposals = propose(inputs)
@@ -157,6 +165,16 @@ def test_the_engine_drafts_what_the_head_computes_from_the_targets_hidden_states
     same = [reference_drafts(speculator.draft.float(), hf_model, speculator.aux_layers(), tokens, 3) == drafts
             for tokens, drafts in checked]
     assert sum(same) >= len(same) - 1, same  # float32 differences may flip one near-tie argmax, not more
+    if native:  # the engine's drafts came from the kernel: one call per request and step, chains of 3
+        assert kernel_calls.count(3) >= len(seen), (len(kernel_calls), len(seen))
+
+
+def test_native_draft_option_is_checked() -> None:
+    with pytest.raises(ValueError, match=r"speculator\.options\.native_draft must be true or false, got 'yes'"):
+        eagle3(speculator_options={"native_draft": "yes"})
+    with pytest.raises(ValueError, match=r"speculator\.options\.native_draft is true, but it runs on CPU in float32"):
+        eagle3(dtype="bfloat16", speculator_options={"native_draft": True})
+    assert eagle3(dtype="bfloat16").engine.speculator.native is None  # by default: the torch path where it cannot
 
 
 def test_sampled_requests_mix_with_greedy_ones_in_a_batch(plain_outputs: list[list[int]]) -> None:

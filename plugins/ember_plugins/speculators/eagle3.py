@@ -25,6 +25,12 @@ Options `tree_top_k` (and `tree_depth`, default 4): greedy requests draft a dyna
 the head's top-k children of the best k nodes per depth, the best `num_speculative_tokens` nodes by cumulative draft
 probability), verified in one pass with tree attention; sampled requests still draft chains.
 
+Option `native_draft` (default: where it runs): on CPU in float32 with the native kernels built, each request's
+catch-up and greedy chain run in one call of the `ember_kernels` kernel `eagle3_draft.c` (the same layer, no torch
+op per draft position: at batch 1 those ops cost as much as the target's own step). `true` requires it (refused
+where it cannot run), `false` keeps the torch path. Sampled requests, trees and requests with skipped positions
+(see `propose`) take the torch path for their drafts either way.
+
 Known limits: KV blocks read from the prefix cache keep the head's K/V of
 whichever request computed them (a block's last position then pairs with that request's next token), and blocks
 loaded from KV tiers carry none of the head's K/V: drafts there are worse, outputs are unchanged.
@@ -167,6 +173,40 @@ class Eagle3Speculator(Speculator):
         # Per request, the position ranges [start, end) whose K/V the head skipped writing (steps with nothing to
         # propose for: see `propose`); attention masks them out until the positions are written again.
         self._gaps: dict[str, list[tuple[int, int]]] = {}
+        self.native = self._native_kernel(self.options.get("native_draft"))
+
+    def _native_kernel(self, wanted: Any) -> Any:
+        """The bound native kernel (module docstring, `native_draft`), or None for the torch path."""
+        if wanted is not None and not isinstance(wanted, bool):
+            raise ValueError(f"speculator.options.native_draft must be true or false, got {wanted!r}")
+        if wanted is False:
+            return None
+        embed = getattr(self.embed, "weight", None)
+        why = None
+        if self.context.device.type != "cpu" or self.context.dtype != torch.float32:
+            why = f"it runs on CPU in float32 (this engine: {self.context.device.type}, {self.context.dtype})"
+        elif self.head_weight is None or not isinstance(embed, torch.Tensor) or embed.dtype != torch.float32:
+            why = "it needs the target's float32 LM head and embeddings (these are quantized or missing)"
+        else:
+            try:
+                from ember_kernels.cpu.eagle3_draft import Eagle3Kernel, eagle3_draft_available
+            except ImportError:
+                why = "ember_kernels is not installed"
+            else:
+                if not eagle3_draft_available():
+                    why = "the native CPU kernels are unavailable on this machine"
+        if why is not None:
+            if wanted:
+                raise ValueError(f"speculator.options.native_draft is true, but {why}")
+            return None
+        d = self.draft
+        weights = [d.fc.weight, d.input_layernorm.weight, d.hidden_norm.weight, d._qkv, d.o_proj.weight,
+                   d.post_attention_layernorm.weight, d._gate_up, d.down_proj.weight, d.norm.weight,
+                   self.head_weight, embed]
+        dims = (self.context.target_config["hidden_size"], d.num_heads, d.num_kv_heads, d.head_dim,
+                d.down_proj.weight.shape[1], self.draft_vocab.numel(), embed.shape[0])
+        return Eagle3Kernel([w.detach().contiguous() for w in weights], dims, d.norm.eps, self.scale,
+                            self.draft_vocab)
 
     def aux_layers(self) -> tuple[int, ...]:
         return self.layers
@@ -200,12 +240,20 @@ class Eagle3Speculator(Speculator):
             return []
         for e in kept:  # positions from the first kept one on are written now (or again later): no longer gaps
             self._trim(inputs.batch[e.index].request_id, e.last_position - e.count + 1)
-        out, tables = self._catch_up(inputs, kept, caches[0])
         by_index = {e.index: e for e in kept}
         chosen = [by_index.get(i) for i in inputs.propose_for]
         if any(e is None for e in chosen):
             raise ValueError("a request proposed for has no kept rows this step")
         entries = [e for e in chosen if e is not None]
+        native = self._native_step(inputs, kept, entries, caches[0])
+        if native is None:
+            out, tables = self._catch_up(inputs, kept, caches[0])
+        else:
+            out, tables, drafted = native
+            if drafted:  # greedy chains drafted by the kernel; sampled requests' chains follow on the torch path
+                rest = [e for e in entries if e.index not in drafted]
+                torch_drafts = iter(self._draft(inputs, rest, out, tables, caches[0]) if rest else [])
+                return [Proposal(drafted[e.index]) if e.index in drafted else next(torch_drafts) for e in entries]
         if self.tree is None:
             return self._draft(inputs, entries, out, tables, caches[0])
         from ember_plugins.speculators.eagle3_tree import draft_tree
@@ -265,6 +313,53 @@ class Eagle3Speculator(Speculator):
         from ember_plugins.speculators.eagle3_model import rope_cos_sin
 
         return rope_cos_sin(positions, self.draft.head_dim, self.rope_theta, dtype)
+
+    def _native_step(self, inputs: SpeculatorInputs, kept: list[_Kept], entries: list[_Kept],
+                     cache: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, dict[int, list[int]]] | None:
+        """The catch-up of every kept request and the greedy chains of the chosen ones (no tree) through the native
+        kernel: (the rows' outputs, block tables, drafts by batch index); None where it does not apply this step."""
+        if self.native is None or inputs.plan is None:
+            return None
+        aux = [inputs.aux_hidden_states[i] for i in self.layers]
+        k_cache, v_cache = cache[0], cache[1]
+        if any(a.dtype != torch.float32 or not a.is_contiguous() for a in aux) or not (
+                k_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return None
+        if any(self._gaps.get(inputs.batch[e.index].request_id) for e in kept):
+            return None  # skipped positions: the torch path masks them out
+        k = inputs.num_speculative_tokens
+        chains = set() if self.tree is not None else {e.index for e in entries
+                                                       if inputs.batch[e.index].params.greedy}
+        # One RoPE call for every request's rows and chain positions.
+        spans = []
+        for e in kept:
+            first = e.last_position - e.count + 1
+            spans.append(torch.arange(first, e.last_position + (k if e.index in chains else 1)))
+        cos_all, sin_all = self._rope(torch.cat(spans), self.context.dtype)
+        out = torch.empty(sum(e.count for e in kept), self.draft.fc.weight.shape[0])
+        tables = inputs.plan.block_tables
+        drafted: dict[int, list[int]] = {}
+        row = 0
+        for e, span in zip(kept, spans, strict=True):
+            start = inputs.query_start_loc[e.index]
+            req = inputs.batch[e.index]
+            next_ids = torch.cat([inputs.token_ids[start + 1:start + e.count],
+                                  torch.tensor([req.token_at(e.last_position + 1)], dtype=torch.long)])
+            n = len(span)
+            cos, sin = cos_all[row:row + n].contiguous(), sin_all[row:row + n].contiguous()
+            row += n
+            table = tables[e.index]
+            if table.dtype != torch.int32 or not table.is_contiguous():
+                table = table.to(torch.int32).contiguous()
+            chain = k if e.index in chains else 0
+            tokens = self.native.draft(aux, start, e.count, next_ids, cos, sin, span[0].item(), k_cache, v_cache,
+                                       table, chain, out[e.offset:e.offset + e.count])
+            if tokens is None:
+                raise ValueError(f"the native EAGLE-3 kernel refused request {req.request_id}'s step (a position "
+                                 "outside its block table?)")
+            if chain:
+                drafted[e.index] = tokens
+        return out, tables, drafted
 
     def _catch_up(self, inputs: SpeculatorInputs, kept: list[_Kept], cache: tuple[torch.Tensor, ...]) -> tuple[
             torch.Tensor, Any]:
