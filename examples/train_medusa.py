@@ -25,10 +25,10 @@ mean accepted length it implies for a chain of k drafts). `--quick` trains for a
 `--cache FILE` keeps the windows and hidden states (the slow part) for another run.
 
 The committed heads came from `python examples/train_medusa.py` (defaults) on the 2-core machine shared with
-other jobs (load average 2-6): generation and hidden states 3.4 min (generation 1 min), training 6 min (1100 steps). Held-out,
-on the target's own continuations: chain right 0.76 / 0.61 / 0.54 / 0.49 for drafts 1-4, mean accepted length
-1.76 / 2.37 / 2.91 / 3.40 for k = 1..4 (on the held-out text itself: 1.31 / 1.38 / 1.40 / 1.40). Training on
-the text alone (the previous heads) reached 1.45 tokens per step in the bench; these reach 2.2.
+other jobs (load average 2-6): generation and hidden states 3.4 min (generation 1 min), training 6 min (1100
+steps). Held-out, on the target's own continuations: chain right 0.76 / 0.61 / 0.54 / 0.49 for drafts 1-4, mean
+accepted length 1.76 / 2.37 / 2.91 / 3.40 for k = 1..4 (on the held-out text itself: 1.31 / 1.38 / 1.40 / 1.40).
+Training on the text alone (the previous heads) reached 1.45 tokens per step in the bench; these reach 2.2.
 """
 
 from __future__ import annotations
@@ -141,6 +141,10 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=6.0, help="training budget after the hidden states")
     parser.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB,
                         help="tokens the heads draft from (default %(default)s; 0: the target's whole vocabulary)")
+    parser.add_argument("--generated-windows", type=int, default=TRAIN_GENERATED_WINDOWS,
+                        help="training windows whose second half the target wrote (default %(default)s)")
+    parser.add_argument("--text-windows", type=int, default=TRAIN_TEXT_WINDOWS,
+                        help="training windows of the text itself (default %(default)s)")
     parser.add_argument("--lr", type=float, default=LEARNING_RATE, help="peak learning rate (default %(default)s)")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: the package's)")
     parser.add_argument("--cache", type=Path, default=None,
@@ -168,8 +172,8 @@ def main() -> None:
         train_files, held_out_files = training_files()
         train_text, held_text = encode_files(tokenizer, train_files), encode_files(tokenizer, held_out_files)
         scale = 8 if args.quick else 1
-        data = {"train": torch.cat([pick_windows(train_text, TRAIN_TEXT_WINDOWS // scale, SEED),
-                                    generate(model, pick_windows(train_text, TRAIN_GENERATED_WINDOWS // scale,
+        data = {"train": torch.cat([pick_windows(train_text, args.text_windows // scale, SEED),
+                                    generate(model, pick_windows(train_text, args.generated_windows // scale,
                                                                  SEED + 1))]),
                 "held_generated": generate(model, pick_windows(held_text, HELD_GENERATED_WINDOWS // scale, SEED + 2)),
                 "held_text": pick_windows(held_text, HELD_TEXT_WINDOWS // scale, SEED + 3)}
@@ -233,7 +237,8 @@ def main() -> None:
     if size < cfg.vocab_size:
         config["draft_vocab_size"] = size
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    training = {"steps": steps, "batch": BATCH, "learning_rate": args.lr, "seq_len": SEQ_LEN,
+    training = {"text_windows": args.text_windows, "generated_windows": args.generated_windows, "steps": steps,
+                "batch": BATCH, "learning_rate": args.lr, "seq_len": SEQ_LEN,
                 "train_positions": int(flat_states.shape[0]), "draft_vocab_size": size,
                 "draft_vocab_coverage": round(coverage, 4), "feature_seconds": round(feature_seconds),
                 "features_from_cache": cached, "train_seconds": round(train_seconds),
