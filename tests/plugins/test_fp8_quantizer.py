@@ -14,6 +14,8 @@ import torch.nn.functional as F
 import ember_plugins.quantization.fp8 as fp8_module
 from ember_kernels.cpu.quantized_linear import (
     E4M3_MAX,
+    amx_available,
+    amx_gemm,
     bf16_gemm,
     bf16_gemm_available,
     fp8_linear,
@@ -85,19 +87,23 @@ def test_a_row_does_not_depend_on_its_batch_on_the_native_path() -> None:
 @native
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rows_choose_the_kernel_at_the_measured_threshold(dtype: torch.dtype) -> None:
-    # At the threshold the streaming kernel, one row above it the GEMM path: bf16_gemm for bf16 activations on an
-    # AVX512_BF16 CPU, else the tiled GEMM; each equal to calling that kernel directly.
+    # At the threshold the streaming kernel, one row above it the GEMM path: amx_gemm for bf16 activations on an AMX
+    # CPU, bf16_gemm on an AVX512_BF16 one, else the tiled GEMM; each equal to calling that kernel directly.
     weight, _ = layer_weights(100, 96)
     layer = Fp8Linear(weight.to(dtype), None)
     threshold = TILED_THRESHOLD[dtype]
     x = torch.randn(threshold + 1, 96, generator=torch.Generator().manual_seed(5)).to(dtype)
     assert torch.equal(layer(x[:threshold]), fp8_linear(x[:threshold], layer.weight, layer.weight_scale, dtype))
-    gemm = bf16_gemm(x, layer.weight, layer.weight_scale, dtype)
+    gemm = amx_gemm(x, layer.weight, layer.weight_scale, dtype)  # None unless bf16 on an AMX CPU
+    if gemm is None:
+        gemm = bf16_gemm(x, layer.weight, layer.weight_scale, dtype)
     if gemm is None:
         assert dtype == torch.float32 or not bf16_gemm_available()
         gemm = tiled_linear(x, layer.weight, layer.weight_scale, dtype)
     assert torch.equal(layer(x), gemm)
-    if dtype == torch.bfloat16 and bf16_gemm_available():  # and a row's result never depends on its batch there
+    if dtype == torch.bfloat16 and amx_available():  # and a row's result never depends on its batch there
+        assert torch.equal(layer(x)[-1:], amx_gemm(x[-1:], layer.weight, layer.weight_scale, dtype))
+    elif dtype == torch.bfloat16 and bf16_gemm_available():
         assert torch.equal(layer(x)[-1:], bf16_gemm(x[-1:], layer.weight, layer.weight_scale, dtype))
 
 

@@ -82,6 +82,38 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, sc: torch.Tensor, sz: tor
     return out if kernel_dtype == out_dtype else out.to(out_dtype)
 
 
+def amx_int4_linear(x: torch.Tensor, packed: torch.Tensor, sc: torch.Tensor, sz: torch.Tensor, out_features: int,
+                    group_size: int, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
+    """The prefill path on AMX CPUs (amx_gemm.c): bf16 x [M, K] @ the packed int4 weights .T, the weights
+    dequantized to bf16 (bf16(s q - s z)) a block at a time in the tile unit's layout, float32 sums. Weight-only
+    (x is not quantized, unlike `int4_linear`), and a row's result never depends on its batch. None where it cannot
+    run: x not bfloat16, or no AMX."""
+    if x.dtype != torch.bfloat16:
+        return None
+    from ember_kernels.cpu.quantized_linear import amx_available
+
+    fn = native_function("ember_amx_gemm_int4", [_PTR, _PTR, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _I64, _INT])
+    if fn is None or not amx_available():
+        return None
+    num_rows, in_features = x.shape
+    groups = groups_of(in_features, group_size)
+    blocks = -(-out_features // ROW_BLOCK)
+    if (packed.dtype != torch.uint8 or packed.shape != (blocks, groups * group_size // 8 * 64)
+            or sc.shape != (blocks, groups, ROW_BLOCK) or sz.shape != sc.shape):
+        raise ValueError(f"amx_int4_linear: x {tuple(x.shape)} does not fit packed weights {tuple(packed.shape)}, "
+                         f"scales {tuple(sc.shape)} for {out_features} outputs in groups of {group_size}")
+    x = x.contiguous()
+    kernel_dtype = out_dtype if out_dtype in _NATIVE_DTYPES else torch.float32
+    out = torch.empty(num_rows, out_features, dtype=kernel_dtype)
+    if num_rows == 0:
+        return out.to(out_dtype)
+    rc = fn(x.data_ptr(), packed.data_ptr(), sc.data_ptr(), sz.data_ptr(), out.data_ptr(),
+            kernel_dtype == torch.bfloat16, num_rows, out_features, in_features, group_size, torch.get_num_threads())
+    if rc != 0:
+        return None
+    return out if kernel_dtype == out_dtype else out.to(out_dtype)
+
+
 def quantize_activations(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's activation quantization in torch: (xq [M, groups, G] integral float32, xs [M, groups])."""
     m, k = x.shape

@@ -15,6 +15,9 @@ Two ways to compute x @ (qweight * scale).T, and which is faster depends on the 
   call whatever M is, one float32 chain per output in k order (a row's numbers never depend on its batch). On
   llama-150m's shapes 1.1-2x the bf16 dense GEMM at 8-64 rows, where the float32 kernels above and the tiled
   path below fall behind it; near parity on prefill chunks, where both run the same instruction at its peak.
+* `amx_gemm` (bf16 activations, CPUs with AMX, amx_gemm.c): `bf16_gemm`'s map on the tile unit (TDPBF16PS), the
+  weights widened into its layout a block at a time. Where the CPU has AMX, oneDNN's dense bf16 GEMM uses it too,
+  so this is the path that keeps up with it beyond a few rows.
 * `tiled_linear`: a tile of weight rows at a time widened exactly into the activations' dtype (int8 and e4m3
   values are all bfloat16 numbers) in a scratch buffer that stays in cache, multiplied by torch's GEMM
   (oneDNN's bf16 or MKL's float32 kernels), and each output column scaled once. So a prefill chunk runs near
@@ -151,6 +154,37 @@ def bf16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"bf16_gemm needs int8 or float8_e4m3fn weights, got {qweight.dtype}")
     _check(x, qweight, scale, qweight.dtype, "bf16_gemm")
     fn = native_function("ember_bf16_gemm", _BF16_GEMM_ARGTYPES)
+    x = x.contiguous()
+    kernel_dtype = out_dtype if out_dtype in _NATIVE_DTYPES else torch.float32
+    y = torch.empty(x.shape[0], qweight.shape[0], dtype=kernel_dtype)
+    if x.shape[0] == 0:
+        return y.to(out_dtype)
+    rc = fn(x.data_ptr(), qweight.data_ptr(), kind, scale.data_ptr(), y.data_ptr(),  # type: ignore[misc]
+            kernel_dtype == torch.bfloat16, x.shape[0], qweight.shape[0], qweight.shape[1], torch.get_num_threads())
+    if rc != 0:
+        return None
+    return y if kernel_dtype == out_dtype else y.to(out_dtype)
+
+
+def amx_available() -> bool:
+    """Whether `amx_gemm` runs here: the native library built for a CPU with AMX-BF16, and the OS granting this
+    process the tile registers."""
+    fn = native_function("ember_amx_available", [])
+    return fn is not None and bool(fn())  # type: ignore[operator]
+
+
+def amx_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
+    """`bf16_gemm`'s map (bf16 x, int8 or float8_e4m3fn weights widened exactly, float32 sums, a row's result
+    independent of its batch) on the AMX tile unit: weights widened a block at a time into the tile layout, x
+    copied once into padded rows. None where it cannot run (no AMX, or x not bfloat16)."""
+    if x.dtype != torch.bfloat16 or not amx_available():
+        return None
+    kind = _KINDS.get(qweight.dtype)
+    if kind is None:
+        raise ValueError(f"amx_gemm needs int8 or float8_e4m3fn weights, got {qweight.dtype}")
+    _check(x, qweight, scale, qweight.dtype, "amx_gemm")
+    fn = native_function("ember_amx_gemm", _BF16_GEMM_ARGTYPES)
     x = x.contiguous()
     kernel_dtype = out_dtype if out_dtype in _NATIVE_DTYPES else torch.float32
     y = torch.empty(x.shape[0], qweight.shape[0], dtype=kernel_dtype)

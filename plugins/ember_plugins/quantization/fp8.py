@@ -10,7 +10,12 @@ Kernels, chosen per call by the rows of x (`dense_threshold`):
 * CPU, few rows (decode, speculative verification): `ember_kernels.cpu.quantized_linear.fp8_linear`, a native
   kernel that streams the e4m3 bytes once for all rows and decodes them in registers by bit moves (no table);
   float32 accumulation, the same order whatever the batch.
-* CPU, more rows of bf16 activations on a CPU with AVX512_BF16 (prefill chunks, batches): `bf16_gemm`, tiles of
+* CPU, more rows of bf16 activations on a CPU with AMX (Sapphire Rapids and later): `amx_gemm`, blocks of 64
+  weight rows widened exactly into bf16 straight into the tile unit's layout (in L2), TDPBF16PS with float32 sums.
+  There oneDNN runs the dense bf16 GEMM on the tile unit too, 4-8x what `bf16_gemm` below reaches, so that kernel
+  ran 0.2-0.6x dense at 8-1024 rows on llama-150m's shapes; `amx_gemm` 1.1-1.2x at 8-64 rows and 0.8-1.2x on
+  prefill chunks (bench/bench_quantized_linear.py --paths, loaded machine: see bench/README.md).
+* CPU, more rows of bf16 activations on a CPU with AVX512_BF16 but no AMX: `bf16_gemm`, tiles of
   12 weight rows widened exactly into bf16 in a per-thread buffer (in L2) and multiplied with vdpbf16ps (float32
   sums); no full-precision copy of the weights is kept. Measured 1.1-1.6x the bf16 dense GEMM at 8-64 rows, where
   the tiled path below ran 0.57-0.96x, and 0.8-1.1x on prefill chunks (bench/bench_quantized_linear.py): there
@@ -37,6 +42,7 @@ from torch import nn
 
 from ember_kernels.cpu.quantized_linear import (
     E4M3_MAX,
+    amx_gemm,
     bf16_gemm,
     bf16_gemm_available,
     fp8_linear,
@@ -208,8 +214,10 @@ class Fp8LinearMethod(LinearMethod):
             if threshold == AUTO:
                 threshold = TILED_THRESHOLD.get(x2.dtype, TILED_THRESHOLD[torch.float32])
             if threshold is not None and x2.shape[0] > threshold:
-                # bf16_gemm: None unless x is bf16 on an AVX512_BF16 CPU (then the tiled GEMM path)
-                y = bf16_gemm(x2, layer.weight, layer.weight_scale, out_dtype)
+                # amx_gemm: None unless x is bf16 on an AMX CPU; bf16_gemm: unless on an AVX512_BF16 one; else tiled
+                y = amx_gemm(x2, layer.weight, layer.weight_scale, out_dtype)
+                if y is None:
+                    y = bf16_gemm(x2, layer.weight, layer.weight_scale, out_dtype)
                 if y is None:
                     y = tiled_linear(x2, layer.weight, layer.weight_scale, out_dtype)
             else:

@@ -24,7 +24,9 @@ Kernels (`kernel` option; "auto" picks per device):
 * `native` (CPU, `ember_kernels.cpu.int4_linear`, C built on first use): activations quantized to int8 per
   row and per weight group (dynamic, symmetric), exact integer group dot products (AVX-512 VNNI, or AVX2),
   one float32 scale per group. Measured on a 2-core AVX-512 CPU at 1024x5632: 5-20x bf16 dense at 1-16
-  rows, >= 1.1x at 32-64, 2.6x at 512 (bench/bench_int4.py); it is what "auto" picks at every batch size.
+  rows, >= 1.1x at 32-64, 2.6x at 512 (bench/bench_int4.py); it is what "auto" picks at every batch size. On
+  CPUs with AMX, where oneDNN's bf16 GEMM runs on the tile unit, bf16 batches above `AMX_ROWS` rows go to
+  `amx_int4_linear` instead: weight-only, the weights dequantized to bf16 a block at a time in the tile layout.
 * `int4pack` (CPU, `torch._weight_int4pack_mm_for_cpu`): weight-only, bf16 activations. Slower than bf16
   dense above ~16 rows, so larger inputs dequantize the weights into a dense matmul (`DENSE_ROWS`).
 * `triton` (CUDA, `ember_kernels.triton.int4_matmul`): weights dequantized in the kernel, fp32 accumulation.
@@ -45,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember_kernels.cpu.int4_linear import groups_of, int4_linear, int4_linear_available, int4_pack
+from ember_kernels.cpu.int4_linear import amx_int4_linear, groups_of, int4_linear, int4_linear_available, int4_pack
 from ember_platform.api import UNQUANTIZED, Linear, LinearMethod, LinearSpec, QuantizationError, Quantizer, skipped
 from ember_plugins.quantization.options import INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, INT4_KERNELS, check_int4
 from ember_plugins.quantization.options import checked as checked_options
@@ -55,6 +57,10 @@ KERNELS = INT4_KERNELS
 DEFAULT_GROUP = INT4_DEFAULT_GROUP
 INT4PACK_GROUPS = (32, 64, 128, 256)  # what torch's int4pack kernel takes
 DENSE_ROWS = 16  # int4pack: rows above which a dequantized dense matmul is faster (measured, bench_int4.py)
+# native: rows above which bf16 activations go to the AMX tile unit (`amx_int4_linear`: weights dequantized to bf16
+# a block at a time, weight-only) on CPUs with AMX, where oneDNN's bf16 GEMM runs on it too and the int8-activation
+# VNNI kernel falls behind from a few dozen rows (measured on llama-150m's shapes, bench_quantized_linear.py --paths).
+AMX_ROWS = 16
 KERNEL_TENSORS = ("int4_packed", "int4_scales", "int4_zeros")  # what `install` registers on a layer
 
 
@@ -233,8 +239,12 @@ class Int4Method(LinearMethod):
         kernel = layer.kernel
         y: torch.Tensor | None = None
         if kernel == "native":
-            y = int4_linear(x2, layer.int4_packed, layer.int4_scales, layer.int4_zeros, layer.out_features,
-                            layer.group_size, dtype)
+            if x2.shape[0] > getattr(layer, "amx_threshold", AMX_ROWS):  # None unless bf16 x on an AMX CPU
+                y = amx_int4_linear(x2, layer.int4_packed, layer.int4_scales, layer.int4_zeros, layer.out_features,
+                                    layer.group_size, dtype)
+            if y is None:
+                y = int4_linear(x2, layer.int4_packed, layer.int4_scales, layer.int4_zeros, layer.out_features,
+                                layer.group_size, dtype)
         elif kernel == "int4pack":
             if x2.shape[0] > DENSE_ROWS:
                 y = F.linear(x2, self.dense_weight(layer, dtype))

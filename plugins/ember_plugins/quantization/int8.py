@@ -25,7 +25,9 @@ of bf16) is the whole win, if the kernel streams int8 at memory speed. Kernels, 
   `torch._int_mm` (oneDNN's VNNI int8 kernels: four multiply-adds per lane where bf16 does two), int32 sums
   scaled back per row and channel. Measured 2.2-2.4x the bf16 GEMM at 16-512 rows on an AVX-512 VNNI EPYC; no
   dequantized copy of the weights is made. Prefill chunks and large batches so run W8A8 (held-out loss: see
-  bench/eval_int8_quality.py), decode weight-only.
+  bench/eval_int8_quality.py), decode weight-only. On CPUs with AMX, bf16 batches above `AMX_THRESHOLD` rows go
+  to `amx_gemm` instead (weight-only: the weights widened exactly to bf16 in the tile unit's layout), where oneDNN's
+  bf16 GEMM runs on the tile unit and the int8 GEMM falls behind it.
 
 Every kernel gives a row the same result whatever else is in the batch, so batching and speculative
 verification never change a request's numerics.
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember_kernels.cpu.int8_linear import int8_linear, int8_linear_available
-from ember_kernels.cpu.quantized_linear import int8_gemm
+from ember_kernels.cpu.quantized_linear import amx_gemm, int8_gemm
 from ember_platform.api import UNQUANTIZED, Linear, LinearMethod, LinearSpec, Quantizer, skipped
 from ember_plugins.quantization.options import INT8_KERNELS, check_int8
 from ember_plugins.quantization.options import checked as checked_options
@@ -55,6 +57,11 @@ INT8PACK_DENSE_THRESHOLD = 32
 # llama-150m's shapes (bench/bench_quantized_linear.py), on a 2-core AVX-512 EPYC.
 # The int8 GEMM was ahead from 8 rows, bf16 and float32 activations alike.
 NATIVE_GEMM_THRESHOLD = 4
+# Rows above which the GEMM path runs on AMX (`amx_gemm`: bf16 activations, weights widened exactly to bf16 in the
+# tile unit's layout, weight-only) instead of the int8 GEMM, on CPUs with AMX: oneDNN's bf16 GEMM runs on the tile
+# unit there, and the int8 GEMM (its quantize and rescale passes around torch._int_mm) falls behind it on prefill
+# chunks. Measured on llama-150m's shapes, Xeon with AMX, 2 threads (bench/bench_quantized_linear.py --paths).
+AMX_THRESHOLD = 64
 
 
 def fbgemm_available() -> bool:
@@ -119,11 +126,12 @@ class Int8LinearMethod(LinearMethod):
     the loader has the layer complete (one full-precision layer in memory at a time)."""
 
     def __init__(self, kernel: str = "auto", dense_threshold: int | None = None, *, prequantized: bool = False,
-                 default_dense: bool = True) -> None:
+                 default_dense: bool = True, amx_threshold: int | None = None) -> None:
         if kernel not in KERNELS:  # fail before any weights are loaded
             raise ValueError(f"[quantization] options: kernel '{kernel}' is not one of {', '.join(KERNELS)}")
         self.kernel, self.dense_threshold, self.prequantized = kernel, dense_threshold, prequantized
         self.default_dense = default_dense  # no dense_threshold given: int8pack's measured default applies
+        self.amx_threshold = amx_threshold  # None: AMX_THRESHOLD (benches and tests force the paths with it)
         self.full_precision_until_loaded = not prequantized
 
     def create_weights(self, layer: Linear) -> None:
@@ -156,6 +164,7 @@ class Int8LinearMethod(LinearMethod):
         if threshold is None and self.default_dense:
             threshold = {"int8pack": INT8PACK_DENSE_THRESHOLD, "native": NATIVE_GEMM_THRESHOLD}.get(kernel)
         layer.dense_threshold = None if threshold is None or threshold < 0 else threshold
+        layer.amx_threshold = AMX_THRESHOLD if self.amx_threshold is None else self.amx_threshold
         layer._dense = None  # dequantized weight, made on the first large batch
         if kernel == "fbgemm":
             layer._packed = _fbgemm_prepack(layer.weight.cpu(), layer.weight_scale.cpu())
@@ -171,9 +180,14 @@ class Int8LinearMethod(LinearMethod):
         shape, out_dtype = x.shape, x.dtype
         x2 = x.reshape(-1, layer.in_features)
         y: torch.Tensor | None
-        if layer.dense_threshold is not None and x2.shape[0] > layer.dense_threshold:
-            y = (int8_gemm(x2, layer.weight, layer.weight_scale, out_dtype) if layer.kernel == "native"
-                 else F.linear(x2, _dense_weight(layer, out_dtype)))
+        rows = x2.shape[0]
+        if layer.dense_threshold is not None and rows > layer.dense_threshold:
+            y = None
+            if layer.kernel == "native" and rows > layer.amx_threshold:  # None unless bf16 x on an AMX CPU
+                y = amx_gemm(x2, layer.weight, layer.weight_scale, out_dtype)
+            if y is None:
+                y = (int8_gemm(x2, layer.weight, layer.weight_scale, out_dtype) if layer.kernel == "native"
+                     else F.linear(x2, _dense_weight(layer, out_dtype)))
         elif layer.kernel == "native":
             y = int8_linear(x2, layer.weight, layer.weight_scale, out_dtype)
             if y is None:  # only if the library vanished after we chose it: stay correct
@@ -224,10 +238,11 @@ def _dense_weight(layer: Linear, dtype: torch.dtype) -> torch.Tensor:
 
 def Int8Linear(weight: torch.Tensor | None, bias: torch.Tensor | None, kernel: str = "auto",
                dense_threshold: int | None = None, *,
-               quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> Linear:
+               quantized: tuple[torch.Tensor, torch.Tensor] | None = None, amx_threshold: int | None = None) -> Linear:
     """A standalone int8 `Linear` from full-precision `weight`, or from `quantized=(qweight, scale)` as given
     (views included: `after_loading` aligns them), without a checkpoint: for tests and benchmarks."""
-    method = Int8LinearMethod(kernel, dense_threshold, prequantized=quantized is not None)
+    method = Int8LinearMethod(kernel, dense_threshold, prequantized=quantized is not None,
+                              amx_threshold=amx_threshold)
     return standalone_linear(method, weight, bias, quantized)
 
 
