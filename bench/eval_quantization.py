@@ -57,6 +57,10 @@ METHODS: list[tuple[str, Any, dict[str, Any]]] = [
     ("rotation+int4 (8 seeds)", ["rotation", "int4"], {"rotation": {"candidates": 8}}),
     ("rotation+int4 g64 (8 seeds)", ["rotation", "int4"], {"rotation": {"candidates": 8, "search_group_size": 64},
                                                            "int4": {"group_size": 64}}),
+    # Each rotation kept only where it makes the weights quantize better on calibration text (rotation.calibrate).
+    ("rotation+int4 g64 (calibrated sites)", ["rotation", "int4"],
+     {"rotation": {"sites": "calibrated", "search_group_size": 64}, "int4": {"group_size": 64}}),
+    ("rotation+int4 g128 (calibrated sites)", ["rotation", "int4"], {"rotation": {"sites": "calibrated"}}),
     ("rotation+gptq", ["rotation", "gptq"], {"gptq": {"num_samples": 64, "seq_len": 256}}),
     ("mixed", "mixed", {}),
     # At the bits of a uniform int4 row (4 + 40 / group: a float32 scale and a uint8 zero per group), to compare.

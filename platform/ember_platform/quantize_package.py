@@ -179,7 +179,7 @@ def quantize(package_dir: Path, method: str, *, calibration: Path | None = None,
               if layer.method is not UNQUANTIZED}
     chosen = quantized.engine.selections["quantization"]  # what a replica's lookup compares against
     entry = write_entry(root, quantized.engine.source.weights_dir, chosen.name, chosen.options, quantized.engine.dtype,
-                        model, layers, report)
+                        model, layers, report, quantized.engine.quantization_states)
     del quantized, dense
     if not declared:
         _add_quantization_table(root / MANIFEST_NAME, names)

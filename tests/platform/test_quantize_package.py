@@ -152,6 +152,59 @@ def test_quantize_with_any_method_adds_it_to_a_manifest_without_one(
     assert not other.engine.quantized_from_cache
 
 
+@pytest.mark.parametrize(("method", "table", "technique"), [
+    (["rotation", "int4"], "{ rotation = { seed = 3, candidates = 2 }, int4 = { group_size = 64 } }", "rotation"),
+    ("mixed", "{ average_bits = 5.0, group_size = 64 }", "mixed"),
+])
+def test_quantize_ships_what_the_techniques_chose_so_replicas_never_calibrate(
+        tmp_path: Path, example_copy: Callable[..., Path], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch, method: str | list[str], table: str, technique: str) -> None:
+    """A rotation's seed chosen among candidates and mixed's plan go into the entry's quantization.json; a replica
+    restores them with the int4 / int8 layers, calibrating nothing (the calibration file is absent and calibrate
+    fails if called), and computes what quantizing afresh on the same text computes."""
+    from ember_plugins.quantization.mixed import MixedQuantizer
+    from ember_plugins.quantization.rotation import RotationQuantizer
+
+    extra = f"\n[quantization]\nmethod = {json.dumps(method)}\noptions = {table}\n"
+    package = example_copy(tmp_path / "pkg", manifest_extra=extra)
+    calibration = calibration_file(tmp_path)
+    selection = "+".join(method) if isinstance(method, list) else method
+    rc, _, err = quantize(capsys, str(package), "--method", selection, "--calibration", str(calibration))
+    assert rc == 0, err
+    entry = json.loads((package / "quantized" / selection / "quantization.json").read_text())
+    state = entry["techniques"][technique]
+    assert ("seed" in state and state["seed"] in (3, 4)) if technique == "rotation" else state["layers"]
+
+    monkeypatch.setenv("EMBER_QUANTIZED_CACHE", "off")
+    monkeypatch.setenv("EMBER_CALIBRATION_FILE", str(tmp_path / "absent.txt"))
+    calibrating = {"rotation": RotationQuantizer, "mixed": MixedQuantizer}[technique].calibrate
+
+    def never(*_args: object) -> None:
+        raise AssertionError("calibrated while serving shipped quantized weights")
+
+    monkeypatch.setattr({"rotation": RotationQuantizer, "mixed": MixedQuantizer}[technique], "calibrate", never)
+    served = LLM(package)
+    assert served.engine.quantized_from_cache and served.engine.timings["quantize"] == 0.0
+    assert served.engine.quantization_states[technique] == state
+    same = ("seed",) if technique == "rotation" else ("layers", "plan")
+    down = served.engine.model.model.layers[1].mlp.down_proj
+    if technique == "rotation":
+        assert down.method.rotation.seed == state["seed"] and isinstance(down.method.inner, Int4Method)
+
+    monkeypatch.setattr({"rotation": RotationQuantizer, "mixed": MixedQuantizer}[technique], "calibrate", calibrating)
+    fresh_package = tmp_path / "fresh"
+    shutil.copytree(package, fresh_package, ignore=shutil.ignore_patterns("quantized"))
+    part = tmp_path / "part.txt"
+    part.write_text(split_held_out(calibration.read_text())[0], encoding="utf-8")
+    monkeypatch.setenv("EMBER_CALIBRATION_FILE", str(part))
+    fresh = LLM(fresh_package)
+    assert not fresh.engine.quantized_from_cache
+    assert {k: fresh.engine.quantization_states[technique][k] for k in same} == {k: state[k] for k in same}
+    torch.testing.assert_close(logits(served), logits(fresh), rtol=0, atol=1e-5)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert served.generate([IDS[:8]], params)[0].token_ids == fresh.generate([IDS[:8]], params)[0].token_ids
+
+
 BAD_BITS = '\n[quantization]\nmethod = "gptq"\noptions = { bits = 3 }\n'
 
 

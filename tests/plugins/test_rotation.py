@@ -157,6 +157,9 @@ def test_options_are_checked_and_kv_rotation_is_refused() -> None:
         LLM(EXAMPLE, quantization="rotation", quantization_options={"seed": -1})
     with pytest.raises(ValueError, match=r"quantization.options.online = 'yes': true or false"):
         LLM(EXAMPLE, quantization="rotation", quantization_options={"online": "yes"})
+    with pytest.raises(ValueError, match=r"quantization.options.sites = 'some': \"all\" \(every rotation QuaRot "
+                                         r"folds\) or \"calibrated\""):
+        LLM(EXAMPLE, quantization="rotation", quantization_options={"sites": "some"})
     with pytest.raises(ValueError, match=r"options.rotation.angle: not supported by quantization 'rotation'"):
         LLM(EXAMPLE, quantization=["rotation", "int8"], quantization_options={"rotation": {"angle": 1}})
 
@@ -240,8 +243,7 @@ def test_candidates_choose_the_seed_whose_int4_model_is_closest_on_calibration_t
     chosen = LLM(EXAMPLE, quantization=["rotation", "int4"],
                  quantization_options={"rotation": {"seed": best}, "int4": {"group_size": 64}})
     torch.testing.assert_close(logits(llm.engine.model), logits(chosen.engine.model), rtol=0, atol=1e-5)
-    # Restored from the quantized-weight cache (int8 layers restore; int4's do not yet): the saved seed's online
-    # rotation, the same numbers.
+    # Restored from the quantized-weight cache: the saved seed's online rotation, the same numbers.
     options = {"rotation": {"seed": 5, "candidates": 3}}
     first = LLM(EXAMPLE, quantization=["rotation", "int8"], quantization_options=options)
     assert not first.engine.quantized_from_cache
@@ -281,3 +283,36 @@ def test_explain_prints_the_seed_the_rotation_chose(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "quantization 'rotation'" in out.stdout and '"candidates": 2' in out.stdout, out.stdout
     assert '"search_kl": {"2": ' in out.stdout and '"3": ' in out.stdout, out.stdout
+
+
+def test_calibrated_sites_keep_each_rotation_only_where_it_quantizes_better(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """sites = "calibrated": the residual rotation by the calibration KL of the int4-rounded model, each online and
+    value-head rotation by its layers' reconstruction error; the model computes what it did (any subset of the
+    rotations is exact), the engine applies what was kept, and a restart restores the choice from the cache."""
+    monkeypatch.setenv("EMBER_QUANTIZED_CACHE", str(tmp_path / "cache"))
+    dense = LLM(EXAMPLE)
+    expected = logits(dense.engine.model)
+    norm = dense.engine.model.model.layers[0].input_layernorm.weight.detach().clone()
+    only = LLM(EXAMPLE, quantization="rotation", quantization_options={"sites": "calibrated"})
+    torch.testing.assert_close(logits(only.engine.model), expected, rtol=0, atol=1e-4)
+
+    options = {"rotation": {"sites": "calibrated", "search_group_size": 64}, "int4": {"group_size": 64}}
+    llm = LLM(EXAMPLE, quantization=["rotation", "int4"], quantization_options=options)
+    state = llm.engine.quantization_states["rotation"]
+    kl = state["search_kl"]
+    assert set(kl) == {"0", "0 no residual"} and state["residual"] == (kl["0"] <= kl["0 no residual"])
+    model = llm.engine.model
+    folded = bool(torch.all(model.model.layers[0].input_layernorm.weight == 1))
+    assert folded == state["residual"] and (folded or torch.equal(model.model.layers[0].input_layernorm.weight, norm))
+    for i in range(4):
+        down = model.model.layers[i].mlp.down_proj
+        name = f"model.layers.{i}.mlp.down_proj"
+        errors = state["site_errors"][name]
+        kept = errors["rotated"] < errors["unrotated"]
+        assert (name in state["online_layers"]) == kept == (down.method.rotation is not None)
+    assert (logits(model) - expected).abs().max() < 2.0  # int4 g64's own error (max over 60 x 4096 logits)
+
+    again = LLM(EXAMPLE, quantization=["rotation", "int4"], quantization_options=options)
+    assert again.engine.quantized_from_cache and again.engine.quantization_states["rotation"] == state
+    torch.testing.assert_close(logits(again.engine.model), logits(model), rtol=0, atol=0)

@@ -101,6 +101,7 @@ class LLMEngine:
         report = self.executor.load_model()
         self.timings.update(report.timings)
         self.quantized_from_cache = report.quantized_from_cache
+        self.quantization_states = report.quantization_states  # what the techniques decided (rotation's seed, ...)
         self.lora: LoRAManager | None = self.executor.lora
         package_loras = manifest.lora if source.is_package else ()
         if package_loras and self.lora is None:

@@ -17,8 +17,9 @@ on load holds one full-precision layer at a time, never the whole full-precision
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -77,8 +78,39 @@ class LinearMethod(ABC):
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """y = x W^T (+ bias) for x: [..., in] -> [..., out], in x's dtype."""
 
+    def portable_tensors(self, layer: Linear) -> Mapping[str, torch.Tensor] | None:
+        """The tensors a saved copy of this finished layer holds (the engine's quantized-weight cache, a package's
+        `ember quantize` entry), when they are not the parameters it computes with: a kernel's layout chosen for
+        this machine (int4's) is saved in a portable one, which the technique's `restored_method` loads back and
+        repacks for the machine it runs on. None (the default): the layer's parameters as they are."""
+        return None
+
     def describe(self, layer: Linear) -> str:
         return type(self).__name__
+
+
+@contextlib.contextmanager
+def portable_parameters(model: nn.Module) -> Iterator[None]:
+    """While saving `model`: every layer whose method has `portable_tensors` holds those as its parameters (its
+    bias kept) instead of its kernel's; put back on exit."""
+    swapped: list[tuple[Linear, dict[str, nn.Parameter | None]]] = []
+    try:
+        for _, layer in linear_modules(model):
+            tensors = layer.method.portable_tensors(layer) if layer.finalized else None
+            if tensors is None:
+                continue
+            held = dict(layer._parameters)
+            swapped.append((layer, held))
+            for name, param in held.items():
+                if param is not None and param is not layer.bias:
+                    del layer._parameters[name]
+            for name, tensor in tensors.items():
+                layer._parameters[name] = nn.Parameter(tensor, requires_grad=False)
+        yield
+    finally:
+        for layer, held in swapped:
+            layer._parameters.clear()
+            layer._parameters.update(held)
 
 
 LinearMethodFactory = Callable[[LinearSpec], LinearMethod]

@@ -4,7 +4,8 @@ it loads them instead of quantizing at start.
     quantized/<method>/model.safetensors    the quantized model's state dict (read back through each technique's
                                             `restored_method`, as the engine's cold-start cache does)
     quantized/<method>/quantization.json    method, options, dtype, the sha256 of every weight file it was made
-                                            from, the layers' methods and the quality report
+                                            from, the layers' methods, the quality report and what the
+                                            techniques decided (`techniques`: rotation's seed, mixed's plan)
 
 Both files are ordinary package files: `ember build` locks them (content-addressed blobs like the weights) and
 `ember verify` checks them. An entry is used only when the serving selection is the same method with the same
@@ -28,6 +29,7 @@ from torch import nn
 
 from ember.errors import PackageError
 from ember.package.lock import LOCK_NAME, Lock, hash_file
+from ember_platform.engine.linear_method import portable_parameters
 
 log = logging.getLogger("ember.engine")
 
@@ -88,22 +90,38 @@ def find_entry(package_root: Path, weights_dir: Path, method: str, options: Mapp
 
 
 def write_entry(package_root: Path, weights_dir: Path, method: str, options: Mapping[str, Any], dtype: torch.dtype,
-                model: nn.Module, layer_methods: Mapping[str, str], report: Mapping[str, Any]) -> Path:
-    """Write quantized/<method>/ (replacing an older entry) atomically; returns its directory."""
+                model: nn.Module, layer_methods: Mapping[str, str], report: Mapping[str, Any],
+                states: Mapping[str, Any] | None = None) -> Path:
+    """Write quantized/<method>/ (replacing an older entry) atomically; returns its directory. `states`: what each
+    technique decided while quantizing (`Quantizer.state()`, by technique name: rotation's chosen seed, mixed's
+    plan), handed back to them when a replica loads the entry."""
     target = entry_dir(package_root, method)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".ember-tmp-", dir=target.parent))
     try:
-        save_model(model, str(tmp / WEIGHTS_FILE))  # handles tied (shared) parameters
+        with portable_parameters(model):  # replicas may run other kernels (another CPU, a GPU): a portable layout
+            save_model(model, str(tmp / WEIGHTS_FILE))  # handles tied (shared) parameters
         entry = {"format": FORMAT_VERSION, "method": method, "options": _options_json(options), "dtype": str(dtype),
                  "weights": weight_digests(package_root, weights_dir), "layers": dict(layer_methods),
-                 "report": dict(report)}
+                 "report": dict(report), "techniques": _options_json(states or {})}
         (tmp / ENTRY_FILE).write_text(json.dumps(entry, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def entry_states(where: Path) -> dict[str, Any]:
+    """The techniques' saved states of the entry in `where` ({} for an entry written without them)."""
+    try:
+        entry = json.loads((where / ENTRY_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where / ENTRY_FILE}: {e}") from e
+    states = entry.get("techniques", {}) if isinstance(entry, dict) else None
+    if not isinstance(states, dict):
+        raise ValueError(f"{where / ENTRY_FILE}: 'techniques' is not an object")
+    return states
 
 
 def remove_entry(package_root: Path, method: str) -> None:

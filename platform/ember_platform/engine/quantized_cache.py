@@ -31,6 +31,8 @@ import torch
 from safetensors.torch import save_model
 from torch import nn
 
+from ember_platform.engine.linear_method import portable_parameters
+
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "EMBER_QUANTIZED_CACHE"
@@ -122,7 +124,8 @@ class QuantizedWeightCache:
             self.root.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(suffix=".tmp", dir=self.root))
             try:
-                save_model(model, str(tmp / "model.safetensors"))  # handles tied (shared) parameters
+                with portable_parameters(model):  # a kernel's machine-specific layout is saved portably
+                    save_model(model, str(tmp / "model.safetensors"))  # handles tied (shared) parameters
                 if state:
                     (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True, default=str) + "\n",
                                                   encoding="utf-8")

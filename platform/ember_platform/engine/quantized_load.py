@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,7 +27,7 @@ from ember_platform.engine.linear_method import (
     set_linear_methods,
 )
 from ember_platform.engine.models.loader import load_weights
-from ember_platform.engine.packaged_quantized import find_entry
+from ember_platform.engine.packaged_quantized import entry_states, find_entry
 from ember_platform.engine.quantization import QuantizationContext, QuantizationError, Quantizer, method_for
 from ember_platform.engine.quantized_cache import QuantizedWeightCache
 from ember_platform.kvtiers.identity import model_identity
@@ -57,6 +57,7 @@ class QuantizedLoad:
     from_cache: bool
     layer_methods: dict[str, str]  # layer name -> its method, for the layers not left full precision
     lora_refusal: str | None = None  # why adapters cannot apply to these weights (`Quantizer.lora_refusal`)
+    states: dict[str, Any] = field(default_factory=dict)  # technique -> what it decided (`Quantizer.state()`)
 
 
 def resolve_chain(selection: SelectionReport, plugins: PluginHost,
@@ -119,11 +120,13 @@ def load_quantized(model: nn.Module, build: Callable[[], nn.Module], *, source: 
                if checkpoint is None and source.is_package else None)
     if shipped is not None and _restored_factory(chain) is not None:
         try:
+            states = entry_states(shipped)  # what the techniques decided (rotation's seed, mixed's plan)
+            _restore_states(chain, names, {"techniques": states})
             methods = set_linear_methods(model, _restored_factory(chain), dtype)
             load_weights(model, shipped)
             log.info("quantized weights loaded from the package: %s", shipped)
             return model, QuantizedLoad(names, {"load": time.perf_counter() - t0, "quantize": 0.0}, True, methods,
-                                        refusal)
+                                        refusal, states)
         except (OSError, ValueError) as e:  # QuantizationError is a ValueError
             log.warning("the package's quantized weights %s do not load (%s); quantizing at start", shipped, e)
             model = build()
@@ -136,12 +139,13 @@ def load_quantized(model: nn.Module, build: Callable[[], nn.Module], *, source: 
         restored = _restored_factory(chain) if entry is not None else None
         if entry is not None and restored is not None:
             try:
-                _restore_states(chain, names, cache.state(key))
+                saved = cache.state(key)
+                _restore_states(chain, names, saved)
                 methods = set_linear_methods(model, restored, dtype)
                 load_weights(model, entry)
                 log.info("quantized weights restored from the cache: %s", entry)
                 return model, QuantizedLoad(names, {"load": time.perf_counter() - t0, "quantize": 0.0}, True,
-                                            methods, refusal)
+                                            methods, refusal, dict(saved.get("techniques", {})))
             except (OSError, ValueError) as e:  # QuantizationError is a ValueError
                 log.warning("quantized-weight cache entry %s is unreadable (%s); quantizing again", entry, e)
                 cache.discard(key)
@@ -167,14 +171,14 @@ def load_quantized(model: nn.Module, build: Callable[[], nn.Module], *, source: 
                 technique.calibrate(calibration)
         finish_loading(model)
         quantize_s += time.perf_counter() - t1
+    state = _saved_state(chain, names, source, selection)
     if cache is not None and key is not None:
-        state = _saved_state(chain, names, source, selection)
         if _restored_factory(chain) is not None:
             cache.save(key, model, state)
         elif state["techniques"]:  # not restorable, but what was decided is kept for `ember explain`
             cache.save_state(key, state)
     return model, QuantizedLoad(names, {"load": time.perf_counter() - t0, "quantize": quantize_s}, False, methods,
-                                refusal)
+                                refusal, state["techniques"])
 
 
 def _saved_state(chain: list[Quantizer], names: tuple[str, ...], source: ModelSource,

@@ -61,6 +61,7 @@ class LoadReport:
 
     timings: dict[str, float]
     quantized_from_cache: bool = False
+    quantization_states: dict[str, Any] = field(default_factory=dict)  # technique -> `Quantizer.state()`
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +99,7 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.timings: dict[str, float] = {}
         self.quantized_from_cache = False
+        self.quantization_states: dict[str, Any] = {}
         self._num_blocks = 0
         self._draft_spec: DraftKVSpec | None = None
         self.kv_caches: list[KVCache] = []
@@ -133,6 +135,7 @@ class Worker:
                                           device=self.device)
         self.timings.update(quantized.timings)
         self.quantized_from_cache = quantized.from_cache
+        self.quantization_states = quantized.states
         model.eval()
         self.model = model
         c.plugins.model_loaded(c.manifest, model, c.hardware)
@@ -151,7 +154,7 @@ class Worker:
                                 max_cpu_loras=options.get("max_cpu_loras"),
                                 memory_budget_bytes=None if budget is None else budget * 2**30,
                                 device=self.device, dtype=c.dtype, refusal=quantized.lora_refusal)
-        return LoadReport(dict(self.timings), self.quantized_from_cache)
+        return LoadReport(dict(self.timings), self.quantized_from_cache, dict(self.quantization_states))
 
     # --- KV cache ---------------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ def ember_quantizers(register) -> None:
              summary="QuaRot-style random Hadamard rotations folded into the full-precision weights (norms "
                      "absorbed, an online Hadamard before down_proj), so that the method after it quantizes "
                      "without outlier channels; comes first: [\"rotation\", \"int8\"]",
-             options=("seed", "online", "kv_rotation", "candidates", "search_group_size"),
+             options=("seed", "online", "kv_rotation", "candidates", "search_group_size", "sites"),
              check="ember_plugins.quantization.options:check_rotation")
     register("mixed", "ember_plugins.quantization.mixed:MixedQuantizer",
              summary="outlier-aware mixed precision: int4 (groups 128/64/32), int8 or dense per layer from "

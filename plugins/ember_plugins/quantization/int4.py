@@ -334,6 +334,49 @@ class Int4LinearMethod(Int4Method):
     def after_loading(self, layer: Linear) -> None:
         self.install(layer, self.quantize(layer, layer.weight.data))
 
+    def portable_tensors(self, layer: Linear) -> Mapping[str, torch.Tensor]:
+        return portable_int4(self, layer)
+
+
+PORTABLE_TENSORS = ("int4_packed", "int4_scales", "int4_zeros")  # what a saved int4 layer holds, on any machine
+
+
+def portable_int4(method: Int4Method, layer: Linear) -> dict[str, torch.Tensor]:
+    """A finished int4 layer's weights in the triton / dequant kernels' layout (`pack_int4`'d values, float32
+    scales, uint8 zeros), whatever kernel it computes with here: what the quantized-weight cache and `ember
+    quantize` save, so that a machine with another kernel loads them too (`Int4StoredMethod`)."""
+    weights = method.weights(layer)
+    if layer._parameters.get("int4_input_order") is not None:
+        raise QuantizationError("int4: a layer with an input order (act-order) has no portable int4 layout here")
+    tensors = (pack_int4(weights.values), weights.scales.float(), weights.zeros.to(torch.uint8))
+    return {name: t.contiguous() for name, t in zip(PORTABLE_TENSORS, tensors, strict=True)}
+
+
+class Int4StoredMethod(Int4Method):
+    """Loads what `portable_int4` saved (the engine's quantized-weight cache, a package's `ember quantize` entry)
+    and installs it for this machine's kernel: no full-precision weight, no quantizing."""
+
+    def __init__(self, group_size: int, kernel: str = "auto") -> None:
+        super().__init__(kernel)
+        self.group_size = group_size
+
+    def create_weights(self, layer: Linear) -> None:
+        groups = groups_of(layer.in_features, self.group_size)
+        layer.add_weight("int4_packed", (layer.out_features, -(-layer.in_features // 2)), torch.uint8)
+        layer.add_weight("int4_scales", (layer.out_features, groups), torch.float32)
+        layer.add_weight("int4_zeros", (layer.out_features, groups), torch.uint8)
+
+    def after_loading(self, layer: Linear) -> None:
+        values = unpack_int4(layer.int4_packed.data, layer.in_features)
+        weights = Int4Weights(values, layer.int4_scales.data.float().contiguous(),
+                              layer.int4_zeros.data.contiguous(), self.group_size)
+        if weights.zeros.numel() and int(weights.zeros.max()) > 15:
+            raise QuantizationError(f"int4: saved zero points outside 0..15 ({int(weights.zeros.max())})")
+        self.install(layer, weights)
+
+    def portable_tensors(self, layer: Linear) -> Mapping[str, torch.Tensor]:
+        return portable_int4(self, layer)
+
 
 class _Prequantized(Int4Method):
     """A layer given its `Int4Weights` directly (`Int4Linear`)."""
@@ -364,9 +407,14 @@ class Int4Quantizer(Quantizer):
         checked = checked_options(check_int4, self.options)  # what ember checks a manifest with too (options.py)
         self.skip = checked["skip"]
         self.method = Int4LinearMethod(checked["group_size"], checked["symmetric"], checked["kernel"])
+        self.restored = Int4StoredMethod(checked["group_size"], checked["kernel"])
 
     def linear_method(self, spec: LinearSpec, inner: LinearMethod) -> LinearMethod:
         if inner is not UNQUANTIZED:
             raise QuantizationError(f"int4 stores the weights of {spec.prefix}, so it must be the last quantization "
                                     f"method (after it comes {type(inner).__name__})")
         return inner if skipped(spec, self.skip) else self.method
+
+    def restored_method(self, spec: LinearSpec, inner: LinearMethod) -> LinearMethod:
+        """What the int4 layers saved (`portable_int4`), loaded back into this machine's kernel."""
+        return inner if skipped(spec, self.skip) else self.restored

@@ -18,7 +18,9 @@ The plan, made in `calibrate` before any layer is finalized:
 Bits per weight count what the layers store: int4 4 + 40 / group (a float32 scale and a uint8 zero point per
 group, `Int4Weights`), int8 8 + 32 / inputs (a float32 scale per output), dense the model dtype's bits. Layers in
 `skip` (default the LM head) stay dense and are outside the budget. The plan is `state()`: saved as
-`quantization.json` beside the engine's quantized-weight cache and printed by `ember explain`.
+`quantization.json` beside the engine's quantized-weight cache (and in a package's `ember quantize` entry) and
+printed by `ember explain`; a later start restores it (`restore_state`) and loads each layer's saved int4 / int8
+tensors through its precision's method (`restored_method`), without calibrating or quantizing.
 
 Sensitivities are measured one layer at a time (interactions ignored there, as HAWQ / Baseten-style layer
 selection does; step 3 measures them): a pass of the first 2048 calibration tokens per covered layer and int4 or
@@ -45,7 +47,13 @@ from ember_platform.api import (
     Quantizer,
     skipped,
 )
-from ember_plugins.quantization.int4 import DEFAULT_GROUP, GROUP_SIZES, Int4LinearMethod, quantize_rtn
+from ember_plugins.quantization.int4 import (
+    DEFAULT_GROUP,
+    GROUP_SIZES,
+    Int4LinearMethod,
+    Int4StoredMethod,
+    quantize_rtn,
+)
 from ember_plugins.quantization.int8 import Int8LinearMethod, quantize_per_channel
 from ember_plugins.quantization.options import check_mixed, checked
 
@@ -177,6 +185,9 @@ class MixedLinearMethod(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return layer.mixed_method.apply(layer, x, bias)
 
+    def portable_tensors(self, layer: Linear) -> Mapping[str, torch.Tensor] | None:
+        return layer.mixed_method.portable_tensors(layer)
+
     def describe(self, layer: Linear) -> str:
         method = getattr(layer, "mixed_method", None)
         return f"mixed: {method.describe(layer) if method is not None else 'planned at calibration'}"
@@ -207,10 +218,13 @@ class MixedQuantizer(Quantizer):
         self.plan: dict[str, Any] | None = None
         self.ladder = precisions(self.group_size)
         self._methods: dict[str, LinearMethod] = {"int8": Int8LinearMethod(), "dense": UNQUANTIZED}
+        # What each precision's layers saved, loaded back (the quantized-weight cache, `ember quantize`).
+        self._restored: dict[str, LinearMethod] = {"int8": Int8LinearMethod(prequantized=True), "dense": UNQUANTIZED}
         for precision in self.ladder:
             group = int4_group(precision)
             if group is not None:
                 self._methods[precision] = Int4LinearMethod(group, self.symmetric)
+                self._restored[precision] = Int4StoredMethod(group)
 
     def _check(self, context: QuantizationContext | None) -> None:
         # What ember checks a manifest with too (options.py), under the key this table has in the composition.
@@ -235,6 +249,29 @@ class MixedQuantizer(Quantizer):
             "bits": {p: bits_per_weight(p, spec.in_features, spec.dtype) for p in self.ladder},
         }
         return MixedLinearMethod(self, spec.prefix)
+
+    def restored_method(self, spec: LinearSpec, inner: LinearMethod) -> LinearMethod:
+        """The layer as its saved plan (`restore_state`) stored it: int4 in its groups, int8, or dense."""
+        if skipped(spec, tuple(self.skip)):
+            return inner
+        if self.plan is None:
+            raise QuantizationError("quantization 'mixed': these quantized weights were saved without their plan")
+        layer = self.plan["layers"].get(spec.prefix)
+        if layer is None:
+            raise QuantizationError(f"quantization 'mixed': the saved plan has no precision for {spec.prefix}")
+        return self._restored[layer["precision"]]
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        """The plan saved with the weights: each layer's precision, one of this configuration's ladder."""
+        layers = state.get("layers")
+        if not isinstance(layers, Mapping):
+            raise QuantizationError("quantization 'mixed': the saved plan has no 'layers' table")
+        for name, layer in layers.items():
+            precision = layer.get("precision") if isinstance(layer, Mapping) else None
+            if precision not in self._restored:
+                raise QuantizationError(f"quantization 'mixed': the saved plan gives {name} precision {precision!r}, "
+                                        f"not one of {', '.join(self.ladder)}")
+        self.plan = dict(state)
 
     def method_of(self, prefix: str) -> LinearMethod:
         if self.plan is None:

@@ -88,10 +88,13 @@ def check_fp8(options: Mapping[str, Any], prefix: str = PREFIX) -> dict[str, Any
             "skip": _skip(options, prefix)}
 
 
+ROTATION_SITES = ("all", "calibrated")
+
+
 def check_rotation(options: Mapping[str, Any], prefix: str = PREFIX) -> dict[str, Any]:
     """rotation: seed (int >= 0), online (bool), kv_rotation (false only), candidates (int >= 1: seeds tried,
     the one whose int4-rounded model is closest to full precision on calibration text kept), search_group_size
-    (the int4 groups that choice rounds in)."""
+    (the int4 groups that choice rounds in), sites ("all" or "calibrated")."""
     seed, online, kv = (options.get(k, d) for k, d in (("seed", 0), ("online", True), ("kv_rotation", False)))
     candidates = options.get("candidates", 1)
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
@@ -104,7 +107,12 @@ def check_rotation(options: Mapping[str, Any], prefix: str = PREFIX) -> dict[str
     if not isinstance(candidates, int) or isinstance(candidates, bool) or not 1 <= candidates <= 64:
         raise OptionValueError(f"{prefix}.candidates = {candidates!r}: how many seeds to try, 1 to 64")
     group = _one_of(options, prefix, "search_group_size", INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, "rotation")
-    return {"seed": seed, "online": online, "kv_rotation": kv, "candidates": candidates, "search_group_size": group}
+    sites = options.get("sites", "all")
+    if sites not in ROTATION_SITES:
+        raise OptionValueError(f"{prefix}.sites = {sites!r}: \"all\" (every rotation QuaRot folds) or \"calibrated\" "
+                               "(each kept where it makes the weights quantize better on calibration text)")
+    return {"seed": seed, "online": online, "kv_rotation": kv, "candidates": candidates, "search_group_size": group,
+            "sites": sites}
 
 
 def check_mixed(options: Mapping[str, Any], prefix: str = PREFIX) -> dict[str, Any]:
