@@ -50,7 +50,8 @@ TARGET_LARGE_BATCH = 0.95
 def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default="ngram,medusa,eagle3,draft",
                         help="speculators to compare (default: %(default)s)")
-    parser.add_argument("--batches", default="1,8,32", help="batch sizes (default: %(default)s)")
+    parser.add_argument("--batches", default="1,8,32",
+                        help="batch sizes (default: %(default)s; empty: only the mixed run)")
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens (default 3)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 256, --quick 128)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 128, --quick 48)")
@@ -82,10 +83,10 @@ def main() -> None:
 
     prompt_len = args.prompt_len or (128 if args.quick else 256)
     max_tokens = args.max_tokens or (48 if args.quick else 128)
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
     if args.quick:
         batches = [b for b in batches if b <= 8] or batches[:1]
-    widest = max(*batches, args.mixed)
+    widest = max([*batches, args.mixed])
     engines: dict[str, Any] = {"none": LLM(args.model, max_num_seqs=widest).engine}
     skipped: dict[str, str] = {}
     for method in args.methods.split(","):

@@ -432,7 +432,8 @@ class LLMEngine:
                         if tokens is not None and req.spec_token_ids]
             spec.record_step(plan.num_tokens, spec.clock() - spec_t0,
                              [(len(req.spec_token_ids), len(tokens) - 1) for req, tokens in verified],
-                             [req.request_id for req, _ in verified])
+                             [req.request_id for req, _ in verified], num_requests=len(batch.requests),
+                             num_drafts=sum(map(len, plan.spec_token_ids)))
         failed = {id(req) for req, tokens in zip(sampled, sampled_tokens, strict=True) if tokens is None}
         for req, n in zip(batch.requests, batch.num_tokens, strict=True):
             if id(req) in failed:

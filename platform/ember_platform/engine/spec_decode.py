@@ -53,11 +53,11 @@ class SpecDecoder:
         return self._paths
 
     def record_step(self, num_tokens: int, seconds: float, verified: Sequence[tuple[int, int]],
-                    request_ids: Sequence[str] = ()) -> None:
-        """A step's target pass over `num_tokens` took `seconds`; `verified`: (drafted, accepted) per request whose
-        drafts it verified (`request_ids`: theirs, to find tree paths). What `SpeculationLength` chooses the next
-        steps' draft lengths from."""
-        self.length.record_step(num_tokens, seconds)
+                    request_ids: Sequence[str] = (), *, num_requests: int, num_drafts: int) -> None:
+        """A step's target pass over `num_tokens` (for `num_requests` requests, `num_drafts` of the tokens drafts)
+        took `seconds`; `verified`: (drafted, accepted) per request whose drafts it verified (`request_ids`: theirs,
+        to find tree paths). What `SpeculationLength` chooses the next steps' draft lengths from."""
+        self.length.record_step(num_tokens, seconds, requests=num_requests, drafts=num_drafts)
         for j, (drafted, accepted) in enumerate(verified):
             path = self._paths.get(request_ids[j]) if self._paths and j < len(request_ids) else None
             self.length.record_verified(drafted, accepted, path)
@@ -88,10 +88,12 @@ class SpecDecoder:
             i for i, r in enumerate(batch)
             if r.status == RequestStatus.RUNNING and r.params.logprobs is None and r.params.structured is None
             and r.num_computed_tokens == r.num_tokens - 1]
-        # How many drafts pay at this batch size (spec_length.py); with none, the speculator still sees the step.
-        other_tokens = plan.num_tokens - sum(plan.query_lens[i] for i in eligible)  # prefill chunks, mostly
-        k = self.length.choose(len(eligible), other_tokens) if eligible else 0
-        eligible = self.length.probe_subset(eligible) if k else []
+        # How many drafts pay at this batch size (spec_length.py), per request; with none, the speculator still sees
+        # the step.
+        k = self.length.choose(len(eligible)) if eligible else 0
+        lengths = self.length.lengths(len(eligible)) if k else [0] * len(eligible)
+        budgets = {i: n for i, n in zip(eligible, lengths, strict=True) if n}
+        eligible = list(budgets)
         token_ids, positions, hidden, aux = plan.input_ids, plan.positions, output.hidden_states, \
             output.aux_hidden_states
         if plan.trees:  # each tree request's accepted path first, at its RoPE positions: then it reads as a chain
@@ -110,22 +112,22 @@ class SpecDecoder:
             block_size=self.speculator.context.block_size)
         started = self.clock()
         proposals = self.speculator.propose(inputs)
-        self.length.record_draft(k, self.clock() - started)
+        self.length.record_draft(k, self.clock() - started, requests=len(eligible))
         if len(proposals) != len(eligible):
             raise ValueError(f"speculator {type(self.speculator).__name__} returned {len(proposals)} proposals "
                              f"for {len(eligible)} requests")
         for i, proposal in zip(eligible, proposals, strict=True):
             if proposal is None or not proposal.token_ids:
                 continue
-            req = batch[i]
+            req, budget = batch[i], budgets[i]
             room = self.max_model_len - req.num_tokens - 1
             if req.params.max_tokens is not None:
                 room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
             parents = proposal.parents
             if parents is not None and not is_chain(parents):
-                self._set_tree(req, proposal.token_ids, parents, k)
+                self._set_tree(req, proposal.token_ids, parents, budget)
                 continue
-            n = max(0, min(k, room, len(proposal.token_ids)))
+            n = max(0, min(budget, room, len(proposal.token_ids)))
             req.spec_token_ids = [int(t) for t in proposal.token_ids[:n]]
             req.spec_parents = None
             if n and proposal.probs is not None:

@@ -9,9 +9,13 @@ this wrong both ways, on other hardware, models or workloads, so the choice is m
 
 * acceptance per draft position (`p_j`: how often draft j is accepted once drafts 1..j-1 were), so the expected
   tokens a request gets from a step with k drafts is `E(k) = 1 + sum_j prod_{i<=j} p_i`, whatever the speculator;
-* the wall time of a step as a function of its scheduled tokens, interpolated between measured sizes (and beyond
-  the largest one measured, as if cost grew in proportion: pessimistic, so untested widths are not bet on);
-* the speculator's own time per step for each k (a draft model's cost grows with k; prompt lookup costs ~0).
+* the time of a step, fitted (`StepCost`) as `a + r * requests + v * drafts + p * prefill tokens`: a draft is a
+  row verified and sampled, a prefill token one that runs through the layers only (no LM head, no sampling, its
+  attention batched over a chunk), so the two are priced apart. Priced by token count alone, the cheap tokens of
+  prefill-heavy steps made a wide decode step look cheap: at batch 32 on a CPU, where a draft costs about what a
+  decoding request does, prompt lookup drafted 3 tokens on most steps and ran at 0.93x of no speculation;
+* the speculator's own time (`DraftCost`: `c + e * k + f * requests * k`; a draft model's and EAGLE's passes grow
+  with k, Medusa's heads with the rows they read; prompt lookup costs ~0).
 
 For tree drafts (spec_tree.py; `tree=True`) k is the node budget: a step verifies 1 + k tokens per request, as
 a chain of k does, so the cost side is the same; the gain is measured per budget position instead: speculators
@@ -20,28 +24,39 @@ i_1 < i_2 < ... would, with a budget of k, have kept the path's nodes below k. `
 the accepted path (among requests given at least j nodes), gives `E(k) = 1 + sum_{j<=k} g_j` (for a chain this is
 the formula above).
 
-It then picks `argmax_k B * E(k) / (T(other + B * (k + 1)) + D(k))` for B decoding requests. Measurements decay
-(the load changes), and a step now and then drafts the full k, so that acceptance and the cost of wide passes
-stay measured even while they do not pay, and one now and then drafts none (as does the first step at a width
-whose plain pass was never measured), so that what speculation is compared with stays measured too. There is no
-batch-size cut-off: `[speculator] max_batch_size` is an optional ceiling a user may set above this.
+It then picks `argmax_k B * E(k) / (T(B, k) + D(B, k))` for B decoding requests, T without prefill: a prompt's
+work is the same however many steps its request's decoding takes (and which prompts the next step brings is not
+known when its drafts are made). Measurements decay
+(the load changes), and a step now and then drafts the full k for a few requests, so that acceptance and the cost
+of drafts stay measured even while they do not pay, and one now and then drafts none, so that what speculation is
+compared with stays measured too. A direction the measurements do not tell apart (only plain steps seen, say) is
+priced pessimistically, every token at the average cost per token seen, as if compute-bound: a draft is not bet on
+before it was measured. The same logic keeps k high where a wider pass is nearly free (a GPU at moderate batch:
+`v` measures ~0). There is no batch-size cut-off: `[speculator] max_batch_size` is an optional ceiling a user may
+set above this.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-DECAY = 0.98  # each new step-cost observation weighs 2%: a memory of about 50 steps per size class
+import numpy as np
+
+DECAY = 0.99  # each step's cost weighs 1%: about 100 steps of memory, a probe's measurement outlives the next probe
 ACCEPTANCE_DECAY = 0.995  # per verified request: about 200 requests' drafts of memory
 PROBE_EVERY = 64  # one step in this many drafts the full k, to keep measuring what is not chosen
 WARMUP_STEPS = 8  # the first steps draft the full k: nothing is measured yet
-# Warm-up and probe steps draft for this many requests of the batch only (rotating): enough to keep acceptance
-# measured, while at a large batch a probe of every request would cost k + 1 times a step each time (~5% of the
-# throughput at batch 32 with k = 3, probing every 64 steps). Wider passes at large batch stay unmeasured, so their
-# predicted cost is the pessimistic extrapolation: drafts there are not bet on.
+# Warm-up and probe steps draft the full k for this many requests of the batch only (rotating; the others get the
+# length chosen): enough to keep acceptance and the cost of a draft measured, while at a large batch a probe of
+# every request would cost k + 1 times a step each time (~5% of the throughput at batch 32 with k = 3, probing
+# every 64 steps).
 PROBE_REQUESTS = 2
+# The pull of the pessimistic prior on each fitted coefficient, in observations of that feature's mean square: it
+# decides only directions the measurements leave open.
+RIDGE = 0.002
+SOLVE_EVERY = 4
 
 
 @dataclass(slots=True)
@@ -60,38 +75,113 @@ class _Average:
         return self.total / self.weight if self.weight else None
 
 
+class _DecayingFit:
+    """Least squares `seconds ~ theta . features` over decaying observations, pulled (RIDGE) toward a prior that
+    prices every unit of `per_unit` features at the average seconds per unit observed (compute-bound: pessimistic).
+    Solved again every SOLVE_EVERY observations (a solve costs about what a few small ops of a step do)."""
+
+    def __init__(self, num_features: int, per_unit: Sequence[int], decay: float = DECAY) -> None:
+        self.n = num_features
+        self.per_unit = tuple(per_unit)
+        self.decay = decay
+        # Sums of weighted observations, the newest weighing `_scale`, each older one `decay` times less (growing
+        # the new weight instead of shrinking every sum: an observation is then a few additions).
+        self._pairs = [(i, j) for i in range(num_features) for j in range(i, num_features)]
+        self._xx = [0.0] * len(self._pairs)
+        self._xy = [0.0] * num_features
+        self._weight = self._seconds = self._units = 0.0
+        self._scale = 1.0
+        self._theta: tuple[float, ...] | None = None
+        self._since_solve = 0
+
+    def add(self, x: Sequence[float], seconds: float) -> None:
+        self._scale /= self.decay
+        if self._scale > 1e100:  # renormalize (every ~23,000 observations at DECAY)
+            self._rescale(1.0 / self._scale)
+        g = self._scale
+        xx = self._xx
+        for p, (i, j) in enumerate(self._pairs):
+            xx[p] += g * x[i] * x[j]
+        for i in range(self.n):
+            self._xy[i] += g * x[i] * seconds
+        self._weight += g
+        self._seconds += g * seconds
+        self._units += g * sum(x[j] for j in self.per_unit)
+        self._since_solve += 1
+
+    def _rescale(self, factor: float) -> None:
+        self._xx = [v * factor for v in self._xx]
+        self._xy = [v * factor for v in self._xy]
+        self._weight *= factor
+        self._seconds *= factor
+        self._units *= factor
+        self._scale *= factor
+
+    @property
+    def empty(self) -> bool:
+        return self._weight == 0.0
+
+    def theta(self) -> tuple[float, ...]:
+        if self._theta is None or self._since_solve >= SOLVE_EVERY:
+            self._theta = tuple(float(t) for t in self._solve())
+            self._since_solve = 0
+        return self._theta
+
+    def _solve(self) -> np.ndarray:
+        xx = np.zeros((self.n, self.n))
+        for p, (i, j) in enumerate(self._pairs):
+            xx[i, j] = xx[j, i] = self._xx[p]
+        prior = np.zeros(self.n)
+        prior[list(self.per_unit)] = self._seconds / self._units if self._units > 0 else 0.0
+        # RIDGE observations of the newest weight, at each feature's mean square
+        ridge = RIDGE * self._scale * np.maximum(np.diag(xx) / self._weight, 1.0)
+        return np.linalg.solve(xx + np.diag(ridge), np.asarray(self._xy) + ridge * prior)
+
+
 class StepCost:
-    """Wall time of a step by its number of scheduled tokens: one decaying average per power-of-two size class."""
+    """Seconds of a target step (pass, sampling, verification) as `a + r * requests + v * drafts + p * prefill`:
+    `requests` scheduled, `drafts` verified, and `prefill` the tokens beyond one per request (prompt chunks)."""
 
     def __init__(self) -> None:
-        self._time: dict[int, _Average] = {}
-        self._size: dict[int, _Average] = {}
+        self._fit = _DecayingFit(4, per_unit=(1, 2, 3))
+        self.num_steps = 0
 
-    def record(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens < 1 or not math.isfinite(seconds) or seconds <= 0:
+    def record(self, seconds: float, *, requests: int, drafts: int, prefill: int) -> None:
+        if requests < 1 or drafts < 0 or prefill < 0 or not math.isfinite(seconds) or seconds <= 0:
             return
-        size_class = num_tokens.bit_length()
-        self._time.setdefault(size_class, _Average()).add(seconds)
-        self._size.setdefault(size_class, _Average()).add(float(num_tokens))
+        self._fit.add((1.0, float(requests), float(drafts), float(prefill)), seconds)
+        self.num_steps += 1
 
-    def measured(self, num_tokens: int) -> bool:
-        return num_tokens.bit_length() in self._time
+    @property
+    def draft_seconds(self) -> float | None:
+        """What one more verified draft adds to a step (never below 0: noise does not make drafts pay)."""
+        return None if self._fit.empty else max(0.0, self._fit.theta()[2])
 
-    def predict(self, num_tokens: int) -> float | None:
-        """Seconds for a step of `num_tokens`; None before any step was measured."""
-        points = sorted((self._size[c].value, self._time[c].value) for c in self._time)  # type: ignore[misc]
-        if not points:
+    def predict(self, requests: int, drafts: int, prefill: int = 0) -> float | None:
+        """Seconds for such a step; None before any step was measured."""
+        if self._fit.empty:
             return None
-        if num_tokens <= points[0][0]:
-            return points[0][1]  # below the smallest size measured: a pass costs at least that
-        for (n0, t0), (n1, t1) in itertools.pairwise(points):
-            if num_tokens <= n1:
-                return t0 + (t1 - t0) * (num_tokens - n0) / (n1 - n0) if n1 > n0 else max(t0, t1)
-        n_max, t_max = points[-1]
-        if num_tokens.bit_length() <= max(self._time):  # within the largest size class measured: its local slope
-            slope = max(0.0, (t_max - points[-2][1]) / (n_max - points[-2][0])) if len(points) > 1 else 0.0
-            return t_max + slope * (num_tokens - n_max)
-        return t_max * num_tokens / n_max  # beyond what was measured: as if compute-bound (pessimistic)
+        a, r, v, p = self._fit.theta()
+        plain = a + r * requests + max(0.0, p) * prefill
+        return max(plain, 1e-9) + max(0.0, v) * drafts
+
+
+class DraftCost:
+    """Seconds the speculator takes to propose `k` drafts for `requests` requests: `c + e * k + f * requests * k`
+    (one call; k passes of a draft model or EAGLE head; the rows a head or pass reads)."""
+
+    def __init__(self) -> None:
+        self._fit = _DecayingFit(3, per_unit=(2,))
+
+    def record(self, k: int, requests: int, seconds: float) -> None:
+        if k > 0 and requests > 0 and math.isfinite(seconds) and seconds >= 0:
+            self._fit.add((1.0, float(k), float(requests * k)), seconds)
+
+    def predict(self, k: int, requests: int) -> float:
+        if k == 0 or self._fit.empty:
+            return 0.0
+        c, e, f = self._fit.theta()
+        return max(0.0, c + e * k + f * requests * k)
 
 
 class SpeculationLength:
@@ -102,14 +192,15 @@ class SpeculationLength:
         self.adaptive = adaptive
         self.tree = tree
         self.cost = StepCost()
-        self._draft_time = [_Average() for _ in range(max_k + 1)]
+        self.draft_cost = DraftCost()
         # Acceptance per draft position, starting from an even prior (one accepted of two reached).
         self._reached = [2.0] * (max_k + 1)
         self._accepted = [1.0] * (max_k + 1)
         if tree:  # marginals (see the module docstring), from the same prior: prod_{i<=j} 1/2
             self._accepted = [2.0 * 0.5 ** j for j in range(max_k + 1)]
         self._steps = 0
-        self.k = max_k  # the last choice
+        self.k = max_k  # the last step's drafts per request (the most any request got)
+        self.best_k = max_k  # the last length chosen from the measurements (what a probe step gives the others)
         self.probing = False  # the last choice was a warm-up or probe step (see PROBE_REQUESTS)
         self.num_verified = 0  # requests whose drafts were verified
         self.num_drafted = 0
@@ -117,14 +208,15 @@ class SpeculationLength:
 
     # --- what was observed --------------------------------------------------------------------
 
-    def record_step(self, num_tokens: int, seconds: float) -> None:
-        """A target pass (with sampling and verification) over `num_tokens` scheduled tokens took `seconds`."""
-        self.cost.record(num_tokens, seconds)
+    def record_step(self, num_tokens: int, seconds: float, *, requests: int, drafts: int) -> None:
+        """A target pass (with sampling and verification) over `num_tokens` scheduled tokens took `seconds`: one
+        or more for each of `requests` requests, `drafts` of them drafts to verify, the rest prompt chunks."""
+        self.cost.record(seconds, requests=requests, drafts=drafts, prefill=max(0, num_tokens - requests - drafts))
 
-    def record_draft(self, k: int, seconds: float) -> None:
-        """The speculator took `seconds` to propose this step's drafts of up to `k` tokens."""
-        if 0 < k <= self.max_k and math.isfinite(seconds) and seconds >= 0:
-            self._draft_time[k].add(seconds)
+    def record_draft(self, k: int, seconds: float, *, requests: int) -> None:
+        """The speculator took `seconds` to propose drafts of up to `k` tokens for `requests` requests."""
+        if 0 < k <= self.max_k:
+            self.draft_cost.record(k, requests, seconds)
 
     def record_verified(self, num_drafted: int, num_accepted: int, path: list[int] | None = None) -> None:
         """One request's drafts were verified: `num_accepted` of its `num_drafted` were kept (`path`: the accepted
@@ -158,50 +250,67 @@ class SpeculationLength:
             expected += survive
         return expected
 
-    def _draft_seconds(self, k: int) -> float:
-        measured = [(j, a.value) for j, a in enumerate(self._draft_time) if a.value is not None]
-        if not measured or k == 0:
-            return 0.0
-        if self._draft_time[k].value is not None:
-            return self._draft_time[k].value  # type: ignore[return-value]
-        j, seconds = min(measured, key=lambda m: abs(m[0] - k))
-        return seconds * k / j  # an autoregressive drafter's cost grows with the tokens it drafts
+    def rate(self, num_decoding: int, k: int) -> float | None:
+        """Predicted decode tokens per second of a step drafting `k` for each of `num_decoding` requests; None
+        before any step was measured. Prefill is left out: its work is the same however many steps the decoding
+        takes, so what drafts can shorten is the decoding part (the fit prices the two apart)."""
+        seconds = self.cost.predict(num_decoding, num_decoding * k)
+        if seconds is None:
+            return None
+        return num_decoding * self.expected_tokens(k) / (seconds + self.draft_cost.predict(k, num_decoding))
 
-    def choose(self, num_decoding: int, other_tokens: int = 0) -> int:
-        """Drafts per request for a step of `num_decoding` requests decoding plus `other_tokens` (prefill chunks).
-        After a warm-up or probe step (`probing`), only `probe_subset` of the requests should get them."""
+    def choose(self, num_decoding: int) -> int:
+        """The most drafts any of the next step's `num_decoding` decoding requests gets; `lengths` says which gets
+        how many (a warm-up or probe step, `probing`, gives the full k to a few of them only)."""
         if not self.adaptive:
-            return self.max_k
+            self.k = self.max_k
+            return self.k
         if num_decoding < 1:
             return 0
         self._steps += 1
-        self.probing = self._steps <= WARMUP_STEPS or self._steps % PROBE_EVERY == 0
+        warm_up = self._steps <= WARMUP_STEPS
+        self.best_k = 0 if warm_up else self._best(num_decoding)
+        self.probing = warm_up or self._steps % PROBE_EVERY == 0
         if self.probing:
             self.k = self.max_k
-            return self.k
-        # A pass without drafts at this width never measured (warm-up drafts the full k), or not for a while: run
-        # one. Below the narrowest width measured the cost model assumes that width's cost, which would make
-        # drafting look free; one plain step now and then keeps the comparison with no speculation measured.
-        if not self.cost.measured(other_tokens + num_decoding) or self._steps % PROBE_EVERY == PROBE_EVERY // 2:
-            self.k = 0
-            return 0
-        best_k, best_rate = 0, 0.0
-        for k in range(self.max_k + 1):
-            seconds = self.cost.predict(other_tokens + num_decoding * (k + 1))
-            if seconds is None:
-                return self.max_k  # nothing measured yet
-            rate = num_decoding * self.expected_tokens(k) / (seconds + self._draft_seconds(k))
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        self.k = best_k
+        elif self._steps % PROBE_EVERY == PROBE_EVERY // 2:
+            # A plain step now and then: while every step drafts, the cost of a step without drafts would be known
+            # only through the fit's split of a wider one.
+            self.k = self.best_k = 0
+        else:
+            self.k = self.best_k
+        return self.k
+
+    def _best(self, num_decoding: int) -> int:
+        """argmax_k of `rate` (written out: it runs every step)."""
+        plain = self.cost.predict(num_decoding, 0)
+        if plain is None:
+            return self.max_k  # nothing measured yet
+        per_draft = self.cost.draft_seconds or 0.0
+        best_k, best_rate = 0, 1.0 / plain
+        expected, survive = 1.0, 1.0
+        for k in range(1, self.max_k + 1):
+            if self.tree:
+                expected += self._accepted[k] / self._reached[k]
+            else:
+                survive *= self._accepted[k] / self._reached[k]
+                expected += survive
+            seconds = plain + per_draft * num_decoding * k + self.draft_cost.predict(k, num_decoding)
+            if expected / seconds > best_rate:  # per request: num_decoding cancels
+                best_k, best_rate = k, expected / seconds
         return best_k
 
-    def probe_subset(self, eligible: list[int]) -> list[int]:
-        """The requests a warm-up or probe step drafts for: PROBE_REQUESTS of them, rotating through the batch."""
-        if not self.probing or len(eligible) <= PROBE_REQUESTS:
-            return eligible
-        start = (self._steps * PROBE_REQUESTS) % len(eligible)
-        return [eligible[(start + i) % len(eligible)] for i in range(PROBE_REQUESTS)]
+    def lengths(self, num_eligible: int) -> list[int]:
+        """Drafts for each of the step's `num_eligible` decoding requests (in batch order) after `choose`: the
+        length chosen, and on a warm-up or probe step the full k for PROBE_REQUESTS of them, rotating through the
+        batch (the others get the length chosen: none during the warm-up)."""
+        if not self.probing or num_eligible <= PROBE_REQUESTS:
+            return [self.k] * num_eligible
+        out = [self.best_k] * num_eligible
+        start = (self._steps * PROBE_REQUESTS) % num_eligible
+        for i in range(PROBE_REQUESTS):
+            out[(start + i) % num_eligible] = self.max_k
+        return out
 
     # --- what metrics report ------------------------------------------------------------------
 

@@ -24,9 +24,9 @@ def trained(cost: Callable[[int], float], acceptance: float, *, max_k: int = 4, 
     rng = random.Random(0)
     for _ in range(200):
         for k in range(max_k + 1):
-            length.record_step(batch * (k + 1), cost(batch * (k + 1)))
+            length.record_step(batch * (k + 1), cost(batch * (k + 1)), requests=batch, drafts=batch * k)
             if k:
-                length.record_draft(k, draft_seconds * k)
+                length.record_draft(k, draft_seconds * k, requests=batch)
         for _ in range(batch):
             accepted = 0
             while accepted < max_k and rng.random() < acceptance:
@@ -77,22 +77,34 @@ def test_warm_up_and_probes_draft_the_full_length_to_keep_measuring() -> None:
 
 def test_fixed_length_when_not_adaptive() -> None:
     fixed = SpeculationLength(3, adaptive=False)
-    fixed.record_step(4, 1.0)
+    fixed.record_step(4, 1.0, requests=1, drafts=3)
     fixed.record_verified(3, 0)
     assert [fixed.choose(1) for _ in range(20)] == [3] * 20
 
 
-def test_step_cost_interpolates_and_extrapolates_pessimistically() -> None:
+def test_step_cost_prices_drafts_apart_from_prefill() -> None:
     cost = StepCost()
-    assert cost.predict(8) is None
-    cost.record(2, 0.002)
-    cost.record(8, 0.004)
-    assert cost.predict(1) == pytest.approx(0.002)  # below what was measured: at least the smallest pass
-    assert cost.predict(5) == pytest.approx(0.003)
-    assert cost.predict(32) == pytest.approx(0.016)  # 4x the largest measured size: 4x its time
-    cost.record(0, 1.0)  # ignored: no tokens
-    cost.record(4, float("nan"))
-    assert cost.predict(5) == pytest.approx(0.003)
+    assert cost.predict(8, 0) is None
+    # A decoding request or a draft costs 1 ms (verified and sampled), a prompt token 0.05 ms, a step 2 ms.
+    truth = lambda requests, drafts, prefill: 0.002 + 0.001 * (requests + drafts) + 0.00005 * prefill  # noqa: E731
+    for step in range(200):
+        requests, drafts, prefill = 32, (0, 0, 6, 32)[step % 4], (0, 180, 0, 0)[step % 4]
+        cost.record(truth(requests, drafts, prefill), requests=requests, drafts=drafts, prefill=prefill)
+    assert cost.predict(32, 96) == pytest.approx(truth(32, 96, 0), rel=1e-3)  # 3 drafts each: 4x the rows
+    assert cost.predict(32, 0, 500) == pytest.approx(truth(32, 0, 500), rel=1e-3)
+    assert cost.draft_seconds == pytest.approx(0.001, rel=1e-3)
+    cost.record(1.0, requests=0, drafts=0, prefill=4)  # ignored: no request
+    cost.record(float("nan"), requests=4, drafts=0, prefill=0)
+    assert cost.predict(32, 96) == pytest.approx(truth(32, 96, 0), rel=1e-3)
+
+
+def test_a_draft_never_measured_is_priced_as_if_compute_bound() -> None:
+    # Only plain steps seen: what a draft adds is not measured, so it is priced at the average per token, 1 ms here
+    # (the steps cost 2 ms + 1 ms per request), not at 0.
+    cost = StepCost()
+    for step in range(100):
+        cost.record(0.002 + 0.001 * (30 + step % 3), requests=30 + step % 3, drafts=0, prefill=0)
+    assert cost.draft_seconds == pytest.approx(0.002 / 31 + 0.001, rel=0.05)
 
 
 REPETITIVE = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add(a, b):\n"
@@ -108,20 +120,34 @@ def test_the_engine_drafts_what_pays_reports_it_and_keeps_greedy_output() -> Non
     assert 0 < stats["spec_acceptance_rate"] <= 1
     assert 0 <= stats["spec_num_speculative_tokens"] <= 4
     length = spec.engine.spec.length
-    assert length.cost.measured(1) and length.num_verified > 0  # it measured the passes it chose from
+    assert length.cost.num_steps > 0 and length.num_verified > 0  # it measured the passes it chose from
 
 
-def run_with_cost_model(cost: Callable[[int], float], num_requests: int) -> tuple[LLM, list[int], list[list[int]]]:
+Cost = Callable[[int, int, int], float]  # (scheduled tokens, requests, drafts) -> seconds
+
+
+def with_cost_model(cost: Cost, max_num_seqs: int) -> tuple[LLM, list[int]]:
     """The real engine (ngram, k = 4, no batch-size ceiling) deciding from a deterministic cost model: each step's
-    measured seconds are replaced by `cost(scheduled tokens)`, so the choice depends on nothing but the model."""
-    spec = LLM(str(EXAMPLE), speculator="ngram", num_speculative_tokens=4, max_num_seqs=num_requests)
+    measured seconds are replaced by `cost(...)` of what it scheduled, so the choice depends on nothing but the
+    model; and the list of the lengths it chooses."""
+    spec = LLM(str(EXAMPLE), speculator="ngram", num_speculative_tokens=4, max_num_seqs=max_num_seqs)
     decoder = spec.engine.spec
     assert decoder.max_batch_size is None  # the default: no static cut-off, the measurement decides
     record_step, choose = decoder.record_step, decoder.length.choose
-    decoder.record_step = lambda num_tokens, seconds, *a, **kw: record_step(num_tokens, cost(num_tokens), *a, **kw)
-    decoder.length.record_draft = lambda k, seconds: None  # prompt lookup: free
+
+    def record(num_tokens: int, seconds: float, *a, num_requests: int, num_drafts: int, **kw) -> None:
+        record_step(num_tokens, cost(num_tokens, num_requests, num_drafts), *a, num_requests=num_requests,
+                    num_drafts=num_drafts, **kw)
+
+    decoder.record_step = record
+    decoder.length.record_draft = lambda *a, **kw: None  # prompt lookup: free
     chosen: list[int] = []
     decoder.length.choose = lambda *a, **kw: chosen.append(choose(*a, **kw)) or chosen[-1]  # type: ignore[func-returns-value]
+    return spec, chosen
+
+
+def run_with_cost_model(cost: Cost, num_requests: int) -> tuple[LLM, list[int], list[list[int]]]:
+    spec, chosen = with_cost_model(cost, num_requests)
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     return spec, chosen, [o.token_ids for o in spec.generate([REPETITIVE] * num_requests, params)]
 
@@ -131,13 +157,13 @@ def test_the_engine_stops_drafting_where_a_cost_model_says_it_does_not_pay(batch
     plain = LLM(str(EXAMPLE)).generate([REPETITIVE], SamplingParams(temperature=0, max_tokens=120,
                                                                     ignore_eos=True))[0].token_ids
     # Weight-bound (a pass costs the same whatever its width): the drafts, mostly accepted on this prompt, pay.
-    _, flat, outputs = run_with_cost_model(lambda tokens: 0.010, batch)
+    _, flat, outputs = run_with_cost_model(lambda tokens, *_: 0.010, batch)
     assert outputs == [plain] * batch
     steady = flat[WARMUP_STEPS + 1:]
     assert steady.count(4) >= 0.8 * len(steady), flat
     # Compute-bound (cost in proportion to tokens): k + 1 times the cost for fewer than k + 1 tokens never pays,
     # at batch 1 as at 16: k falls to 0 but for the periodic probes, and greedy output is unchanged.
-    spec, proportional, outputs = run_with_cost_model(lambda tokens: 0.001 * tokens, batch)
+    spec, proportional, outputs = run_with_cost_model(lambda tokens, *_: 0.001 * tokens, batch)
     assert outputs == [plain] * batch
     steady = proportional[WARMUP_STEPS:]
     assert steady.count(0) >= len(steady) - len(steady) // PROBE_EVERY - 1, proportional
@@ -156,7 +182,56 @@ def test_a_plain_pass_is_measured_before_drafting_is_judged_free() -> None:
     for _ in range(WARMUP_STEPS + 40):
         k = length.choose(1)
         chosen.append(k)
-        length.record_step(1 + k, 0.001 * (1 + k))  # compute-bound: drafts cost what they would save and more
+        # compute-bound: drafts cost what they would save and more
+        length.record_step(1 + k, 0.001 * (1 + k), requests=1, drafts=k)
         length.record_verified(k, min(k, 2))
     assert chosen[:WARMUP_STEPS] == [4] * WARMUP_STEPS
     assert chosen[WARMUP_STEPS:] == [0] * 40  # the first to measure a plain pass, the rest because it is faster
+
+
+def stream(llm: LLM, prompts: list[str], in_flight: int) -> list[list[int]]:
+    """Serve `prompts` greedily with `in_flight` requests running, a new one admitted as one finishes (outputs of
+    varied lengths): most steps then carry a new prompt's prefill next to the decoding requests, as in serving."""
+    engine = llm.engine
+    outputs: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    running = 0
+    while pending or running:
+        while pending and running < in_flight:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=6 + (i * 7) % 31,
+                                                               ignore_eos=True))
+            outputs[f"r{i}"] = []
+            running += 1
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+            if out.finished:
+                engine.forget(out.request_id)
+                running -= 1
+    return [outputs[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_cheap_prefill_tokens_do_not_make_wide_decode_steps_look_cheap() -> None:
+    # Prompts of 30 to 300 tokens arriving all the time among 12 decoding requests. A prompt token costs 0.02 ms
+    # (it runs through the layers in a batch, no LM head, no sampling), a decoding request or a draft 1 ms: a step
+    # with drafts is as much wider as it has drafts, which never pays. Priced by token count alone, the steps with
+    # a prompt chunk (200 tokens for a few ms) made a decode step of 60 tokens look cheap, and k stayed at 4.
+    prompts = [f"# {i}\n" + REPETITIVE * (1 + i % 7) for i in range(48)]  # distinct: no prefix cache hits
+    plain = stream(LLM(str(EXAMPLE), max_num_seqs=12), prompts, 12)
+    steps: list[tuple[int, int, int]] = []
+
+    def compute_bound(tokens: int, requests: int, drafts: int) -> float:
+        steps.append((tokens, requests, drafts))
+        return 0.001 * (requests + drafts) + 0.00002 * (tokens - requests - drafts)
+
+    spec, chosen = with_cost_model(compute_bound, 12)
+    assert stream(spec, prompts, 12) == plain  # exact, whatever length was chosen
+    assert sum(tokens - requests - drafts >= 20 for tokens, requests, drafts in steps) >= len(steps) // 4  # prompts
+    steady = chosen[WARMUP_STEPS:]
+    assert steady.count(0) >= len(steady) - len(steady) // PROBE_EVERY - 1, chosen
+    # The same workload where a wider pass is nearly free (a GPU at this batch): the drafts pay, k stays high.
+    spec, chosen = with_cost_model(lambda tokens, requests, drafts: 0.010 + 0.00002 * (tokens - requests - drafts),
+                                   12)
+    assert stream(spec, prompts, 12) == plain
+    steady = chosen[WARMUP_STEPS:]
+    assert steady.count(4) >= 0.8 * len(steady), chosen
