@@ -37,8 +37,8 @@ def test_greedy_output_is_the_targets_and_drafts_are_accepted(plain_outputs: lis
     assert [llm.generate([p], params)[0].token_ids for p in PROMPTS] == plain_outputs  # batch 1
     assert [out.token_ids for out in llm.generate(PROMPTS, params)] == plain_outputs  # one batch
     stats = llm.engine.stats()
-    # The heads were trained (examples/train_medusa.py): drafts are accepted (the first head agrees with the
-    # target about a third of the time on this text).
+    # The heads were trained (examples/train_medusa.py): drafts are accepted (on short prompts like these the first
+    # head agrees with the target about a third of the time; on its own longer continuations, three quarters).
     assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] / stats["spec_draft_tokens"] > 0.1
     assert stats["spec_mean_accepted_length"] > 1.3
 
