@@ -134,13 +134,15 @@ def reference_drafts(draft: torch.nn.Module, hf_model: torch.nn.Module, layers: 
     return drafts
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-kernel", "torch"])
-def test_the_engine_drafts_what_the_head_computes_from_the_targets_hidden_states(native: bool) -> None:
-    # Both drafting paths: the native kernel (eagle3_draft.c, one call per request and step; its matrices in
-    # bfloat16) and the torch ops.
+@pytest.mark.parametrize("options", [{}, {"native_draft_weights": "bfloat16"}, {"native_draft": False}],
+                         ids=["native-kernel-int8", "native-kernel-bf16", "torch"])
+def test_the_engine_drafts_what_the_head_computes_from_the_targets_hidden_states(options: dict) -> None:
+    # Both drafting paths: the native kernel (eagle3_draft.c, one call per request and step; its matrices in int8 by
+    # default, or bfloat16) and the torch ops.
     from transformers import LlamaForCausalLM
 
-    llm = eagle3(enable_prefix_caching=False, speculator_options={"native_draft": native})
+    native = options.get("native_draft", True)
+    llm = eagle3(enable_prefix_caching=False, speculator_options=options)
     speculator = llm.engine.speculator
     assert (speculator.native is not None) is native
     seen: list[tuple[list[int], list[int]]] = []
@@ -148,7 +150,7 @@ def test_the_engine_drafts_what_the_head_computes_from_the_targets_hidden_states
     kernel_calls = []
     if native:
         kernel = speculator.native.draft
-        speculator.native.draft = lambda *args: kernel_calls.append(args[-2]) or kernel(*args)
+        speculator.native.draft = lambda *args: kernel_calls.append(args[10]) or kernel(*args)
 
     def recording(inputs):  # the engine's call, observed
         proposals = propose(inputs)
@@ -175,6 +177,12 @@ def test_native_draft_option_is_checked() -> None:
     with pytest.raises(ValueError, match=r"speculator\.options\.native_draft is true, but it runs on CPU in float32"):
         eagle3(dtype="bfloat16", speculator_options={"native_draft": True})
     assert eagle3(dtype="bfloat16").engine.speculator.native is None  # by default: the torch path where it cannot
+    with pytest.raises(ValueError, match=r"speculator\.options\.native_draft_weights must be one of bfloat16, int8, "
+                                         r"float32, got 'int4'"):
+        eagle3(speculator_options={"native_draft_weights": "int4"})
+    with pytest.raises(ValueError, match=r"native_draft_weights is for the native kernel, which .*native_draft = "
+                                         r"false turns off"):
+        eagle3(speculator_options={"native_draft": False, "native_draft_weights": "int8"})
 
 
 def test_sampled_requests_mix_with_greedy_ones_in_a_batch(plain_outputs: list[list[int]]) -> None:

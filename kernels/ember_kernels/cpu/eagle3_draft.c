@@ -7,6 +7,7 @@
  * whole draft of a request.
  *
  * What it computes (plugins/ember_plugins/speculators/eagle3_model.py is the reference, same weights):
+ * Positions in `gaps` (ranges whose K/V the head skipped writing) are masked out of every row's attention.
  *   catch-up, rows r < R at positions p0 + r: hidden = fc(concat(aux0, aux1, aux2)); the layer (below) on
  *     (embed(next_id[r]), hidden), its K/V written to the head's paged cache at the request's slot for p0 + r,
  *     each row attending to the paged positions 0 .. p0 + r; out[r] = the layer's output.
@@ -19,10 +20,10 @@
  * Drafts need not be bit-identical to the torch path (the target verifies every draft; only acceptance depends on
  * them), but they are the same math in float32, so they agree but for near-ties.
  *
- * Weights: the matrices (fc, qkv, o, gate_up, down, the LM head's draft rows) float32, or bfloat16 (bf16 != 0,
- * widened exactly in the linear kernel): the draft is bound by streaming them (~4 MB in float32 on the example, more
- * than its L2 holds, once per draft position), so bfloat16 halves a draft position's cost; norms and the embedding
- * table stay float32.
+ * Weights: the matrices (fc, qkv, o, gate_up, down, the LM head's draft rows) float32, bfloat16 (widened exactly
+ * in the linear kernel) or int8 with a float32 scale per output row (`format`): the draft is bound by streaming
+ * them (~4 MB in float32 on the example, more than its L2 holds, once per draft position), so narrower weights
+ * make a draft position cheaper; norms and the embedding table stay float32.
  * Layouts (row-major, contiguous, float32 unless said): weights as nn.Linear ([out, in]); caches [num_blocks, Hkv, S, hd];
  * table int32 [T], the request's blocks; aux rows: three pointers to [R, D]; cos/sin [R + k - 1, hd].
  * Returns 0; 1 for bad arguments (a block id, position or token out of range); 2 if memory ran out.
@@ -36,6 +37,8 @@
 
 int ember_dense_linear_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
                            int64_t K, int num_threads);
+int ember_int8_linear(const void *x, int x_bf16, const int8_t *w, const float *scale, void *y, int y_bf16,
+                      int64_t M, int64_t N, int64_t K, int num_threads);
 int ember_dense_linear_bf16(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M, int64_t N,
                             int64_t K, int num_threads);
 
@@ -46,20 +49,27 @@ enum { D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_DRAFT_VOCAB, D_VOCA
 
 typedef struct {
     const float *const *w;
-    int bf16; /* the matrices (fc, qkv, o, gate_up, down, lm_head) are bfloat16 */
+    int format; /* the matrices' (fc, qkv, o, gate_up, down, lm_head): FORMAT_* */
+    const float *const *scales; /* FORMAT_INT8: each matrix's per-row scales, by W_* index */
     int64_t d, h, hkv, hd, inter, n, v;
     float eps, scale;
     float *k_cache, *v_cache;
     int64_t s, num_blocks;
     const int32_t *table;
     int64_t table_len;
+    const int64_t *gaps; /* [n_gaps, 2]: position ranges [a, b) whose K/V were never written, masked out */
+    int64_t n_gaps;
     int threads;
 } Head;
 
-/* y[M, N] = x[M, K] @ w[N, K].T, w float32 or bfloat16 as the head's matrices are. */
+enum { FORMAT_F32, FORMAT_BF16, FORMAT_INT8 };
+
+/* y[M, N] = x[M, K] @ w[N, K].T, w in the head's matrix format. */
 static inline void linear(const Head *m, const float *x, int which, float *y, int64_t M, int64_t N, int64_t K,
                           int threads) {
-    if (m->bf16)
+    if (m->format == FORMAT_INT8)
+        ember_int8_linear(x, 0, (const int8_t *)m->w[which], m->scales[which], y, 0, M, N, K, threads);
+    else if (m->format == FORMAT_BF16)
         ember_dense_linear_bf16(x, (const uint16_t *)m->w[which], NULL, y, M, N, K, threads);
     else
         ember_dense_linear_f32(x, m->w[which], NULL, y, M, N, K, threads);
@@ -100,6 +110,45 @@ static void softmax(float *x, int64_t n) {
     const float inv = 1.0f / sum;
     for (i = 0; i < n; i++) x[i] *= inv;
 }
+
+/* scores[t] = q . keys[t] * scale for n contiguous key rows of hd floats: four keys at a time (independent FMA
+ * chains: one key's chain alone waits on FMA latency). */
+static void score_rows(const float *q, const float *keys, int64_t n, int64_t hd, float scale, float *scores) {
+    int64_t t = 0;
+    if (hd % 8 == 0)
+        for (; t + 4 <= n; t += 4) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            const float *k0 = keys + t * hd;
+            for (int64_t i = 0; i < hd; i += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + i);
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + hd + i), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * hd + i), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * hd + i), a3);
+            }
+            scores[t] = hsum(a0) * scale, scores[t + 1] = hsum(a1) * scale;
+            scores[t + 2] = hsum(a2) * scale, scores[t + 3] = hsum(a3) * scale;
+        }
+    for (; t < n; t++) scores[t] = dot(q, keys + t * hd, hd) * scale;
+}
+
+/* o += sum_t p[t] * values[t] over n contiguous value rows; o kept in registers 64 floats at a time. */
+static void accumulate_rows(float *o, const float *p, const float *values, int64_t n, int64_t hd) {
+    if (hd % 64 != 0) {
+        for (int64_t t = 0; t < n; t++) axpy(o, p[t], values + t * hd, hd);
+        return;
+    }
+    for (int64_t i = 0; i < hd; i += 64) {
+        __m256 acc[8];
+        for (int c = 0; c < 8; c++) acc[c] = _mm256_loadu_ps(o + i + 8 * c);
+        for (int64_t t = 0; t < n; t++) {
+            const __m256 a = _mm256_set1_ps(p[t]);
+            const float *v = values + t * hd + i;
+            for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(a, _mm256_loadu_ps(v + 8 * c), acc[c]);
+        }
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(o + i + 8 * c, acc[c]);
+    }
+}
 #else
 static inline float dot(const float *a, const float *b, int64_t n) {
     float s = 0.0f;
@@ -116,6 +165,14 @@ static void softmax(float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) top = x[i] > top ? x[i] : top;
     for (int64_t i = 0; i < n; i++) sum += (x[i] = expf(x[i] - top));
     for (int64_t i = 0; i < n; i++) x[i] /= sum;
+}
+
+static void score_rows(const float *q, const float *keys, int64_t n, int64_t hd, float scale, float *scores) {
+    for (int64_t t = 0; t < n; t++) scores[t] = dot(q, keys + t * hd, hd) * scale;
+}
+
+static void accumulate_rows(float *o, const float *p, const float *values, int64_t n, int64_t hd) {
+    for (int64_t t = 0; t < n; t++) axpy(o, p[t], values + t * hd, hd);
 }
 #endif
 
@@ -193,8 +250,11 @@ static int layer(const Head *m, int64_t R, const float *embeds, const float *hid
             for (int64_t b = 0; b * m->s < nc; b++) {
                 const float *keys = m->k_cache + ((int64_t)m->table[b] * hkv + g) * m->s * hd;
                 const int64_t n = nc - b * m->s < m->s ? nc - b * m->s : m->s;
-                for (int64_t t = 0; t < n; t++) scores[b * m->s + t] = dot(q, keys + t * hd, hd) * m->scale;
+                score_rows(q, keys, n, hd, m->scale, scores + b * m->s);
             }
+            for (int64_t i = 0; i < m->n_gaps; i++)
+                for (int64_t p = m->gaps[2 * i] > 0 ? m->gaps[2 * i] : 0; p < m->gaps[2 * i + 1] && p < nc; p++)
+                    scores[p] = -INFINITY;
             for (int64_t e = 0; e < ne; e++) scores[nc + e] = dot(q, ek + (g * max_extra + e) * hd, hd) * m->scale;
             softmax(scores, nc + ne);
             float *o = att + r * h * hd + head * hd;
@@ -202,7 +262,7 @@ static int layer(const Head *m, int64_t R, const float *embeds, const float *hid
             for (int64_t b = 0; b * m->s < nc; b++) {
                 const float *values = m->v_cache + ((int64_t)m->table[b] * hkv + g) * m->s * hd;
                 const int64_t n = nc - b * m->s < m->s ? nc - b * m->s : m->s;
-                for (int64_t t = 0; t < n; t++) axpy(o, scores[b * m->s + t], values + t * hd, hd);
+                accumulate_rows(o, scores + b * m->s, values, n, hd);
             }
             for (int64_t e = 0; e < ne; e++) axpy(o, scores[nc + e], ev + (g * max_extra + e) * hd, hd);
         }
@@ -233,14 +293,15 @@ static int64_t choose(const Head *m, const int64_t *vocab, const float *h, float
     return vocab[best];
 }
 
-int ember_eagle3_draft(const float *const *weights, int bf16, const int64_t *dims, float eps, float scale,
+int ember_eagle3_draft(const float *const *weights, int format, const float *const *scales, const int64_t *dims, float eps, float scale,
                        const float *aux0, const float *aux1, const float *aux2, const int64_t *next_ids,
                        const float *cos, const float *sin, int64_t R, int64_t p0, float *k_cache, float *v_cache,
-                       int64_t S, int64_t num_blocks, const int32_t *table, int64_t table_len, int64_t k,
+                       int64_t S, int64_t num_blocks, const int32_t *table, int64_t table_len,
+                       const int64_t *gaps, int64_t n_gaps, int64_t k,
                        const int64_t *vocab, float *out, int64_t *tokens, int num_threads) {
-    Head m = {weights, bf16, dims[D_HIDDEN], dims[D_HEADS], dims[D_KV_HEADS], dims[D_HEAD_DIM], dims[D_INTER],
+    Head m = {weights, format, scales, dims[D_HIDDEN], dims[D_HEADS], dims[D_KV_HEADS], dims[D_HEAD_DIM], dims[D_INTER],
               dims[D_DRAFT_VOCAB], dims[D_VOCAB], eps, scale, k_cache, v_cache, S, num_blocks, table, table_len,
-              num_threads};
+              gaps, n_gaps, num_threads};
     if (R < 1 || k < 0 || p0 < 0 || m.hkv < 1 || m.h % m.hkv != 0 || m.hd % 2 != 0 || S < 1) return 1;
     for (int64_t r = 0; r < R; r++)
         if (next_ids[r] < 0 || next_ids[r] >= m.v) return 1;

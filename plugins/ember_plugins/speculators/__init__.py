@@ -17,7 +17,7 @@ def ember_speculators(register) -> None:
              summary="EAGLE-3: a one-layer draft transformer on the fusion of the target's low, middle and high "
                      "hidden states drafts k tokens autoregressively with its own paged KV cache (a chain, or a "
                      "dynamic tree with options.tree_top_k); the head comes from [speculator] model",
-             options=("model", "tree_top_k", "tree_depth", "native_draft"))
+             options=("model", "tree_top_k", "tree_depth", "native_draft", "native_draft_weights"))
     register("draft", "ember_plugins.speculators.draft:DraftSpeculator",
              summary="a small draft model of the target's tokenizer ([speculator] model, a Hugging Face checkpoint) "
                      "drafts k tokens autoregressively with its own paged KV cache, batched across requests",

@@ -28,8 +28,11 @@ probability), verified in one pass with tree attention; sampled requests still d
 Option `native_draft` (default: where it runs): on CPU in float32 with the native kernels built, each request's
 catch-up and greedy chain run in one call of the `ember_kernels` kernel `eagle3_draft.c` (the same layer, no torch
 op per draft position: at batch 1 those ops cost as much as the target's own step). `true` requires it (refused
-where it cannot run), `false` keeps the torch path. Sampled requests, trees and requests with skipped positions
-(see `propose`) take the torch path for their drafts either way.
+where it cannot run), `false` keeps the torch path. `native_draft_weights` (`int8`, the default: a scale per
+output row; `bfloat16`; `float32`): how the kernel keeps the head's matrices and the LM head's draft rows. A draft
+position streams all of them (more than the L2 cache holds), so narrower ones draft faster; drafts differ from the
+float32 head's only at near-ties (outputs never: the target verifies every draft). Sampled requests and trees take
+the torch path for their drafts either way (after the kernel's catch-up).
 
 Known limits: KV blocks read from the prefix cache keep the head's K/V of
 whichever request computed them (a block's last position then pairs with that request's next token), and blocks
@@ -173,13 +176,21 @@ class Eagle3Speculator(Speculator):
         # Per request, the position ranges [start, end) whose K/V the head skipped writing (steps with nothing to
         # propose for: see `propose`); attention masks them out until the positions are written again.
         self._gaps: dict[str, list[tuple[int, int]]] = {}
-        self.native = self._native_kernel(self.options.get("native_draft"))
+        self.native = self._native_kernel(self.options.get("native_draft"),
+                                          self.options.get("native_draft_weights", "int8"))
 
-    def _native_kernel(self, wanted: Any) -> Any:
+    def _native_kernel(self, wanted: Any, weight_format: Any) -> Any:
         """The bound native kernel (module docstring, `native_draft`), or None for the torch path."""
         if wanted is not None and not isinstance(wanted, bool):
             raise ValueError(f"speculator.options.native_draft must be true or false, got {wanted!r}")
+        formats = ("bfloat16", "int8", "float32")
+        if weight_format not in formats:
+            raise ValueError(f"speculator.options.native_draft_weights must be one of {', '.join(formats)}, got "
+                             f"{weight_format!r}")
         if wanted is False:
+            if "native_draft_weights" in self.options:
+                raise ValueError("speculator.options.native_draft_weights is for the native kernel, which "
+                                 "speculator.options.native_draft = false turns off")
             return None
         embed = getattr(self.embed, "weight", None)
         why = None
@@ -206,7 +217,7 @@ class Eagle3Speculator(Speculator):
         dims = (self.context.target_config["hidden_size"], d.num_heads, d.num_kv_heads, d.head_dim,
                 d.down_proj.weight.shape[1], self.draft_vocab.numel(), embed.shape[0])
         return Eagle3Kernel([w.detach().contiguous() for w in weights], dims, d.norm.eps, self.scale,
-                            self.draft_vocab)
+                            self.draft_vocab, weight_format)
 
     def aux_layers(self) -> tuple[int, ...]:
         return self.layers
@@ -325,35 +336,33 @@ class Eagle3Speculator(Speculator):
         if any(a.dtype != torch.float32 or not a.is_contiguous() for a in aux) or not (
                 k_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()):
             return None
-        if any(self._gaps.get(inputs.batch[e.index].request_id) for e in kept):
-            return None  # skipped positions: the torch path masks them out
         k = inputs.num_speculative_tokens
         chains = set() if self.tree is not None else {e.index for e in entries
                                                        if inputs.batch[e.index].params.greedy}
         # One RoPE call for every request's rows and chain positions.
-        spans = []
-        for e in kept:
-            first = e.last_position - e.count + 1
-            spans.append(torch.arange(first, e.last_position + (k if e.index in chains else 1)))
-        cos_all, sin_all = self._rope(torch.cat(spans), self.context.dtype)
+        spans = [(e.last_position - e.count + 1, e.count + (k - 1 if e.index in chains else 0)) for e in kept]
+        if len(spans) == 1:
+            positions = torch.arange(spans[0][0], spans[0][0] + spans[0][1])
+        else:
+            positions = torch.cat([torch.arange(first, first + n) for first, n in spans])
+        cos_all, sin_all = self._rope(positions, self.context.dtype)
+        cos_all, sin_all = cos_all.contiguous(), sin_all.contiguous()  # the kernel reads rows from an offset
         out = torch.empty(sum(e.count for e in kept), self.draft.fc.weight.shape[0])
         tables = inputs.plan.block_tables
+        if tables.dtype != torch.int32 or not tables.is_contiguous():
+            tables = tables.to(torch.int32).contiguous()
+        token_ids = inputs.token_ids
         drafted: dict[int, list[int]] = {}
         row = 0
-        for e, span in zip(kept, spans, strict=True):
+        for e, (first, n) in zip(kept, spans, strict=True):
             start = inputs.query_start_loc[e.index]
             req = inputs.batch[e.index]
-            next_ids = torch.cat([inputs.token_ids[start + 1:start + e.count],
-                                  torch.tensor([req.token_at(e.last_position + 1)], dtype=torch.long)])
-            n = len(span)
-            cos, sin = cos_all[row:row + n].contiguous(), sin_all[row:row + n].contiguous()
-            row += n
-            table = tables[e.index]
-            if table.dtype != torch.int32 or not table.is_contiguous():
-                table = table.to(torch.int32).contiguous()
+            next_ids = [*token_ids[start + 1:start + e.count].tolist(), req.token_at(e.last_position + 1)]
             chain = k if e.index in chains else 0
-            tokens = self.native.draft(aux, start, e.count, next_ids, cos, sin, span[0].item(), k_cache, v_cache,
-                                       table, chain, out[e.offset:e.offset + e.count])
+            tokens = self.native.draft(aux, start, e.count, next_ids, cos_all[row:row + n], sin_all[row:row + n],
+                                       first, k_cache, v_cache, tables[e.index], chain,
+                                       out[e.offset:e.offset + e.count], self._gaps.get(req.request_id, ()))
+            row += n
             if tokens is None:
                 raise ValueError(f"the native EAGLE-3 kernel refused request {req.request_id}'s step (a position "
                                  "outside its block table?)")
