@@ -12,6 +12,11 @@ The model's function is unchanged (in exact arithmetic; float32 logits within ~1
 * the MLP's intermediate activations (after SiLU(gate) * up, not a linear map) are rotated online: down_proj's
   weight gets W R and its input x R, applied in down_proj's forward by `OnlineRotationMethod`.
 
+`sites = "calibrated"` keeps each of these rotations only where it makes the weights quantize better on
+calibration text (`calibrate`): on the example model (no outlier channels in the residual stream; RMSNorm scales
+folded into the weights hurt their int4 groups) that leaves only the online rotation of down_proj, whose inputs
+have kurtosis 50-170, and is the configuration that beats plain round-to-nearest int4 (bench/eval_quantization.py).
+
 See `hadamard.py` for the matrices (sizes with an odd factor included). Limits, refused rather than ignored:
 tied embeddings (the LM head would need E diag(g) Q while the embeddings need E Q), a sharded model (the folds
 need whole matrices), a checkpoint already quantized, any position but the first in the chain (every method
