@@ -45,6 +45,8 @@ SEED = 1234
 SEQ_LEN = 256
 TRAIN_TOKENS = 131_072  # positions the target labels (about 5% of the training text)
 HELD_OUT_TOKENS = 16_384
+PREFIX = 64  # text tokens a generated window starts from (label: `generated`)
+GENERATED = 0.5  # share of the training windows continued by the target itself (--generated)
 TOP_K = 32  # target probabilities kept per position (the rest of its mass is ~2% on this text)
 BATCH = 8  # windows per step
 LEARNING_RATE = 3e-3
@@ -63,13 +65,17 @@ def draft_config(target: dict) -> dict:
     return config
 
 
-def label(teacher: nn.Module, tokens: torch.Tensor, num_positions: int, seed: int
+def label(teacher: nn.Module, tokens: torch.Tensor, num_positions: int, seed: int, generated: float = 0.0
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(windows [W, S + 1], the target's top-K log-probabilities [W, S, K] (float16), their ids [W, S, K] (int16))
-    for about num_positions positions of random SEQ_LEN windows of `tokens`."""
+    for about num_positions positions of random SEQ_LEN windows of `tokens`. A `generated` share of the windows
+    keeps only its first PREFIX tokens and continues them with the target's own greedy output (`continue_greedy`)."""
     all_windows = windows(tokens, SEQ_LEN)
     order = torch.randperm(len(all_windows), generator=torch.Generator().manual_seed(seed))
-    chosen = all_windows[order[:max(1, num_positions // SEQ_LEN)]]
+    chosen = all_windows[order[:max(1, num_positions // SEQ_LEN)]].clone()
+    num_generated = round(generated * len(chosen))
+    if num_generated:
+        chosen[:num_generated] = continue_greedy(teacher, chosen[:num_generated, :PREFIX], SEQ_LEN + 1 - PREFIX)
     values, ids = [], []
     with torch.no_grad():
         for start in range(0, len(chosen), 8):
@@ -80,19 +86,38 @@ def label(teacher: nn.Module, tokens: torch.Tensor, num_positions: int, seed: in
     return chosen, torch.cat(values), torch.cat(ids)
 
 
+def continue_greedy(teacher: nn.Module, prefixes: torch.Tensor, num_new: int) -> torch.Tensor:
+    """prefixes [W, P] followed by the target's greedy continuation of num_new tokens: [W, P + num_new]. What the
+    draft meets when it drafts: the target's own output (greedy decoding of code repeats itself, and a draft that
+    learned only the text would not have seen those repetitions), EOS included, as with ignore_eos."""
+    rows = []
+    with torch.no_grad():
+        for start in range(0, len(prefixes), 64):
+            seq = prefixes[start:start + 64]
+            out = teacher(input_ids=seq, use_cache=True)
+            for _ in range(num_new):
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+                seq = torch.cat([seq, token], dim=1)
+                if seq.shape[1] == prefixes.shape[1] + num_new:
+                    break
+                out = teacher(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+            rows.append(seq)
+    return torch.cat(rows)
+
+
 def soft_loss(logits: torch.Tensor, top_logprobs: torch.Tensor, top_ids: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of the draft's distribution against the target's top-K (renormalized over those K)."""
     p = top_logprobs.float().softmax(-1)
     return -(p * logits.log_softmax(-1).gather(-1, top_ids.long())).sum(-1).mean()
 
 
-def agreement(draft: nn.Module, chosen: torch.Tensor, top_ids: torch.Tensor) -> float:
-    """Share of positions where the draft's argmax is the target's."""
+def agreement(draft: nn.Module, chosen: torch.Tensor, top_ids: torch.Tensor, skip: int = 0) -> float:
+    """Share of positions (past the first `skip` of each window) where the draft's argmax is the target's."""
     right = total = 0
     with torch.no_grad():
         for start in range(0, len(chosen), 8):
-            guess = draft(input_ids=chosen[start:start + 8, :SEQ_LEN]).logits.argmax(-1)
-            right += int((guess == top_ids[start:start + 8, :, 0].long()).sum())
+            guess = draft(input_ids=chosen[start:start + 8, :SEQ_LEN]).logits.argmax(-1)[:, skip:]
+            right += int((guess == top_ids[start:start + 8, skip:, 0].long()).sum())
             total += guess.numel()
     return right / max(1, total)
 
@@ -103,6 +128,11 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=4.0,
                         help="training budget after the target's labels, in CPU minutes of the training thread (on "
                              "a busy machine or under nice it takes longer, for the same training)")
+    parser.add_argument("--generated", type=float, default=GENERATED,
+                        help=f"share of the training windows whose text after their first {PREFIX} tokens is the "
+                             "target's own greedy continuation (default %(default)s)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where to write the draft (default: the package's speculator/draft)")
     parser.add_argument("--quick", action="store_true", help="one minute on fewer positions, into a temporary dir")
     args = parser.parse_args()
     from safetensors.torch import save_file
@@ -112,15 +142,20 @@ def main() -> None:
     torch.manual_seed(SEED)
     torch.set_num_threads(2)
     weights = args.package / "weights"
-    out = Path(tempfile.mkdtemp(prefix="draft-")) if args.quick else args.package / "speculator" / "draft"
+    if not 0.0 <= args.generated <= 1.0:
+        raise SystemExit(f"--generated {args.generated}: a share, between 0 and 1")
+    out = args.out or (Path(tempfile.mkdtemp(prefix="draft-")) if args.quick else args.package / "speculator" / "draft")
     minutes = 1.0 if args.quick else args.minutes
     train_positions = TRAIN_TOKENS // 8 if args.quick else TRAIN_TOKENS
     teacher = LlamaForCausalLM.from_pretrained(weights, dtype=torch.float32).eval().requires_grad_(False)
     tokenizer = Tokenizer.from_file(str(weights / "tokenizer.json"))
     train_files, held_out_files = training_files()
     t0 = time.perf_counter()
-    train = label(teacher, encode_files(tokenizer, train_files), train_positions, SEED)
-    held = label(teacher, encode_files(tokenizer, held_out_files), HELD_OUT_TOKENS, SEED)
+    train = label(teacher, encode_files(tokenizer, train_files), train_positions, SEED, args.generated)
+    held_out_tokens = encode_files(tokenizer, held_out_files)
+    held = label(teacher, held_out_tokens, HELD_OUT_TOKENS, SEED)
+    # The held-out text continued by the target: about the contexts the bench's greedy requests draft in.
+    held_generated = label(teacher, held_out_tokens, HELD_OUT_TOKENS // 2, SEED + 1, 1.0)
     label_s = time.perf_counter() - t0
     print(f"target's top-{TOP_K} on {train[0].shape[0] * SEQ_LEN:,} + {held[0].shape[0] * SEQ_LEN:,} positions "
           f"in {label_s:.0f} s", flush=True)
@@ -162,7 +197,9 @@ def main() -> None:
     held_agreement_fp32 = held_agreement
     draft.half().float()
     held_agreement = agreement(draft, held[0], held[2])
-    print(f"top-1 agreement of the float16 weights: held out {held_agreement:.3f}")
+    generated_agreement = agreement(draft, held_generated[0], held_generated[2], PREFIX)
+    print(f"top-1 agreement of the float16 weights: held out {held_agreement:.3f}, on the target's greedy "
+          f"continuations of held-out text {generated_agreement:.3f}")
     save_file({name: p.detach().half().contiguous() for name, p in draft.state_dict().items()},
               str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps({**config, "dtype": "float16"}, indent=2) + "\n")
@@ -173,6 +210,8 @@ def main() -> None:
                 "train_positions": int(chosen.numel() - len(chosen)), "held_out_positions": int(held[0].shape[0] *
                                                                                                  SEQ_LEN),
                 "target_top_k": TOP_K, "held_out_top1_agreement": round(held_agreement, 4),
+                "generated_share": args.generated, "generated_prefix": PREFIX,
+                "held_out_greedy_continuation_top1_agreement": round(generated_agreement, 4),
                 "held_out_top1_agreement_fp32": round(held_agreement_fp32, 4), "stored_dtype": "float16",
                 "train_top1_agreement": round(train_agreement, 4), "label_seconds": round(label_s),
                 "train_seconds": round(time.perf_counter() - started), "train_cpu_seconds": round(elapsed),

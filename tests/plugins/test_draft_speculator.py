@@ -77,6 +77,17 @@ def test_proposals_are_the_draft_models_own_greedy_continuation() -> None:
         return proposals
 
     spec.propose = recording
+    # The drafting passes run on the chain decoder (draft_chain.py), the first passes over a few new tokens too,
+    # for one request and for two with runs of different lengths; the passes over whole prompts on the model code.
+    assert spec.chain is not None
+    chain_passes: list[tuple[int, int]] = []
+    chain_forward = spec.chain.forward
+
+    def counting(ids, positions, *args, **kwargs):
+        chain_passes.append(tuple(ids.shape))
+        return chain_forward(ids, positions, *args, **kwargs)
+
+    spec.chain.forward = counting
     prompts = [PROMPTS[0] * 3, PROMPTS[1], PROMPTS[3] * 2]  # a long prompt (several chunks) among short ones
     lengths = [8, 30, 30]
     outputs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths])
@@ -94,6 +105,8 @@ def test_proposals_are_the_draft_models_own_greedy_continuation() -> None:
                 ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
             exact += 1
     assert exact == len(seen)
+    assert {(1, 1), (2, 1)} <= set(chain_passes)  # one-token passes, alone and batched
+    assert any(q > 1 for b, q in chain_passes if b == 2)  # a batched first pass over several new tokens
 
 
 def copy_package(tmp_path: Path) -> Path:

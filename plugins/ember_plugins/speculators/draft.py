@@ -57,6 +57,7 @@ from ember_platform.api import (
     kv_cache_block_shape,
     load_weights,
 )
+from ember_plugins.speculators.draft_chain import MAX_QUERY, ChainDecoder
 from ember_plugins.speculators.model_dir import read_model_config
 
 CONFIG = "config.json"
@@ -159,6 +160,9 @@ class DraftSpeculator(Speculator):
         self.scratch_per_request = -(-context.num_speculative_tokens // block_size) + 1
         self.num_scratch = SCRATCH_REQUESTS * self.scratch_per_request
         backends = {id(b): b for b in self.model.attention_backends}.values()
+        # The drafting passes in few ops (draft_chain.py) where the draft is a plain full-precision Llama; else (and
+        # for first passes over many tokens) the engine's model code.
+        self.chain = ChainDecoder(self.model) if ChainDecoder.supports(self.model) else None
         self.builders = [builder for b in backends if hasattr(b, "metadata_builder")
                          and (builder := b.metadata_builder(block_size, context.device)) is not None]
         self._shared_generator = torch.Generator(device=context.device)
@@ -204,6 +208,45 @@ class DraftSpeculator(Speculator):
             builder.build(meta)
         hidden = self.model(ids.to(device), positions.to(device), meta, self.kv_caches)
         return self.model.compute_logits(hidden[rows.to(device)])
+
+    def _first_pass(self, reqs: list[Request], starts: list[int], tables: torch.Tensor) -> torch.Tensor:
+        """Pass 1 through the engine's model code (each request's tokens from starts[i]): float32 logits [n, V] of
+        each request's newest token."""
+        ids = [torch.tensor(r.all_token_ids[d:], dtype=torch.long) for r, d in zip(reqs, starts, strict=True)]
+        positions = [torch.arange(d, r.num_tokens, dtype=torch.long) for r, d in zip(reqs, starts, strict=True)]
+        query_lens = [r.num_tokens - d for r, d in zip(reqs, starts, strict=True)]
+        rows = torch.tensor(query_lens).cumsum(0) - 1
+        return self._forward(torch.cat(ids), torch.cat(positions), tables, query_lens,
+                             [r.num_tokens for r in reqs], rows)
+
+    def _chain_first(self, reqs: list[Request], starts: list[int], tables: torch.Tensor, k: int) -> torch.Tensor:
+        """Pass 1 on the chain decoder (every request has at most MAX_QUERY new tokens): float32 logits [n, V] of
+        each request's newest token. Shorter runs are padded at the end (positions past the request's tokens,
+        which its later passes write before they read them; never written to the paged cache)."""
+        assert self.chain is not None
+        bs, device = self.block_size, self.context.device
+        query_lens = [r.num_tokens - d for r, d in zip(reqs, starts, strict=True)]
+        width = max(query_lens)
+        ids, positions, rows, batch_rows, slots = [], [], [], [], []
+        table_rows = tables.tolist()
+        for b, (req, done) in enumerate(zip(reqs, starts, strict=True)):
+            q_len = query_lens[b]
+            ids.extend(req.all_token_ids[done:] + [0] * (width - q_len))
+            positions.extend(range(done, done + width))
+            for j in range(q_len):
+                pos = done + j
+                rows.append(b * width + j)
+                batch_rows.append(b)
+                slots.append(table_rows[b][pos // bs] * bs + pos % bs)
+        self.chain.start(self.kv_caches, tables, starts,
+                         max(max(r.num_tokens + k - 1, d + width) for r, d in zip(reqs, starts, strict=True)))
+        write = (torch.tensor(rows, device=device), torch.tensor(batch_rows, device=device),
+                 torch.tensor(slots, dtype=torch.long, device=device))
+        logits = self.chain.forward(torch.tensor(ids, device=device).view(len(reqs), width),
+                                    torch.tensor(positions, device=device).view(len(reqs), width), write,
+                                    first=starts[0] if len(reqs) == 1 else None)
+        newest = torch.tensor([q - 1 for q in query_lens], device=device)
+        return logits[torch.arange(len(reqs), device=device), newest]
 
     def _generator(self, req: Request) -> torch.Generator:
         seed = req.params.seed
@@ -253,41 +296,45 @@ class DraftSpeculator(Speculator):
             return [None] * len(inputs.propose_for)
         # Pass 1: each drafting request's tokens the draft cache does not hold yet (all of them the first time, or
         # after a preemption; else those since its last drafting step), the newest last: its logits give draft 1.
-        ids, positions, query_lens, seq_lens, tables, rows = [], [], [], [], [], []
+        order = list(drafting)
+        reqs = [inputs.batch[i] for i in order]
         width = max(len(t) for t in drafting.values())
-        token = 0
-        for i, table in drafting.items():
-            req = inputs.batch[i]
+        device = self.context.device
+        draft_tables = torch.stack([torch.nn.functional.pad(torch.tensor(drafting[i], dtype=torch.int32),
+                                                            (0, width - len(drafting[i]))) for i in order])
+        starts = []
+        for req in reqs:
             blocks, done = self._done.get(req.request_id, (None, 0))
             if blocks is not req.block_ids or done > req.num_tokens - 1:
                 done = 0  # new, or preempted (its blocks freed: a new list) and recomputed: start over
-            ids.append(torch.tensor(req.all_token_ids[done:], dtype=torch.long))
-            positions.append(torch.arange(done, req.num_tokens, dtype=torch.long))
-            query_lens.append(req.num_tokens - done)
-            seq_lens.append(req.num_tokens)
-            tables.append(torch.nn.functional.pad(torch.tensor(table, dtype=torch.int32), (0, width - len(table))))
-            token += req.num_tokens - done
-            rows.append(token - 1)
+            starts.append(done)
             # Held from now on: every position before the newest (the newest's KV may sit in a scratch block, and the
             # drafted positions' KV is only a guess: both are written again next time).
             self._done[req.request_id] = (req.block_ids, req.num_tokens - 1)
-        order = list(drafting)
-        reqs = [inputs.batch[i] for i in order]
-        logits = self._forward(torch.cat(ids), torch.cat(positions), torch.stack(tables), query_lens, seq_lens,
-                               torch.tensor(rows, dtype=torch.long))
         sampled = [j for j, r in enumerate(reqs) if not r.params.greedy]
+        chain = self.chain
+        if chain is not None and max(r.num_tokens - d for r, d in zip(reqs, starts, strict=True)) <= MAX_QUERY:
+            logits = self._chain_first(reqs, starts, draft_tables.to(device), k)
+        else:
+            logits = self._first_pass(reqs, starts, draft_tables)
+            if chain is not None and k > 1:
+                chain.start(self.kv_caches, draft_tables.to(device), [r.num_tokens for r in reqs],
+                            max(r.num_tokens for r in reqs) + k - 1)
         columns, probs = [], []
         current, p = self._draw(logits, reqs, sampled)
         columns.append(current)
         probs.append(p)
         # Passes 2..k: one token per drafting request, the previous draft at the next position.
-        draft_tables = torch.stack([torch.nn.functional.pad(torch.tensor(drafting[i], dtype=torch.int32),
-                                                            (0, width - len(drafting[i]))) for i in order])
         last = torch.tensor([r.num_tokens - 1 for r in reqs], dtype=torch.long)
         every = torch.arange(len(order), dtype=torch.long)
+        last_d = last.to(device)
         for j in range(1, k):
             pos = last + j
-            logits = self._forward(current.cpu(), pos, draft_tables, [1] * len(order), (pos + 1).tolist(), every)
+            if chain is not None:
+                logits = chain.forward(current.view(-1, 1).to(device), (last_d + j).view(-1, 1),
+                                       first=reqs[0].num_tokens - 1 + j if len(reqs) == 1 else None)[:, 0]
+            else:
+                logits = self._forward(current.cpu(), pos, draft_tables, [1] * len(order), (pos + 1).tolist(), every)
             current, p = self._draw(logits, reqs, sampled)
             columns.append(current)
             probs.append(p)
