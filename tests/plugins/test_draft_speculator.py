@@ -93,6 +93,9 @@ def test_proposals_are_the_draft_models_own_greedy_continuation() -> None:
     outputs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths])
     assert [len(o.token_ids) for o in outputs] == lengths
     assert len(seen) > 10 and min(len(tokens) for tokens, _ in seen) >= len(llm.engine.tokenizer.encode(prompts[1])) + 8
+    # Alone: the chain decoder keeps its buffer from step to step (nothing gathered from the paged cache).
+    alone = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    assert len(alone[0].token_ids) == 30
     hf = AutoModelForCausalLM.from_pretrained(EXAMPLE / DRAFT, dtype=torch.float32).eval()
     exact = 0
     with torch.no_grad():

@@ -12,6 +12,11 @@ after the target verified the step's drafts, the draft runs for every request it
    last: its logits give draft 1;
 2. k - 1 passes of one token per drafting request (the previous draft at the next position): drafts 2..k.
 
+Both run on `ChainDecoder` (draft_chain.py: the context's K/V gathered once per step into a dense buffer, a pass in a
+few tensor ops, drafted positions' K/V kept out of the paged cache) where the draft is a plain full-precision Llama
+and pass 1 has at most MAX_QUERY new tokens per request; a pass over a whole prompt runs on the engine's model code.
+At batch 1 on the example a one-token pass of the model code cost about half a target pass, mostly fixed per-op cost.
+
 The cache catches up lazily, when a request is drafted for, so a step that drafts nothing (the engine chose k = 0:
 a large batch, low acceptance) costs no pass at all. The drafted positions' KV is written where the request's block
 table puts those positions and is simply written over when the true tokens arrive (pass 1 rewrites every position
@@ -181,10 +186,14 @@ class DraftSpeculator(Speculator):
     def bind_kv_cache(self, kv_caches: list[KVCache]) -> None:
         super().bind_kv_cache(kv_caches)
         self._done.clear()  # a new (or woken, zeroed) cache holds nothing yet
+        if self.chain is not None:
+            self.chain.reset()
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._done.pop(request_id, None)
+        if self.chain is not None:
+            self.chain.forget(request_id)
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -239,7 +248,8 @@ class DraftSpeculator(Speculator):
                 batch_rows.append(b)
                 slots.append(table_rows[b][pos // bs] * bs + pos % bs)
         self.chain.start(self.kv_caches, tables, starts,
-                         max(max(r.num_tokens + k - 1, d + width) for r, d in zip(reqs, starts, strict=True)))
+                         max(max(r.num_tokens + k - 1, d + width) for r, d in zip(reqs, starts, strict=True)),
+                         keep=(reqs[0].request_id, reqs[0].block_ids) if len(reqs) == 1 else None)
         write = (torch.tensor(rows, device=device), torch.tensor(batch_rows, device=device),
                  torch.tensor(slots, dtype=torch.long, device=device))
         logits = self.chain.forward(torch.tensor(ids, device=device).view(len(reqs), width),
@@ -319,7 +329,8 @@ class DraftSpeculator(Speculator):
             logits = self._first_pass(reqs, starts, draft_tables)
             if chain is not None and k > 1:
                 chain.start(self.kv_caches, draft_tables.to(device), [r.num_tokens for r in reqs],
-                            max(r.num_tokens for r in reqs) + k - 1)
+                            max(r.num_tokens for r in reqs) + k - 1,
+                            keep=(reqs[0].request_id, reqs[0].block_ids) if len(reqs) == 1 else None)
         columns, probs = [], []
         current, p = self._draw(logits, reqs, sampled)
         columns.append(current)

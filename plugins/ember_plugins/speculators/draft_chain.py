@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ember_platform.api import UNQUANTIZED, KVCache
 
+KEEP_HEADROOM = 128  # positions a kept buffer (one request) is allocated past the step's
 MAX_QUERY = 8  # first passes with more tokens per request than this run through the engine's model code
 
 
@@ -72,6 +73,8 @@ class ChainDecoder:
         # SwiGLU, in-place RoPE (plain torch where no kernel takes the inputs). Linears stay torch.mm: a draft's
         # are small enough that a kernel call's fixed cost would dominate them.
         self.ops = model.ops
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.reset()
 
     @staticmethod
     def supports(model: Any) -> bool:
@@ -88,17 +91,29 @@ class ChainDecoder:
 
     # --- one step -------------------------------------------------------------------------------
 
-    def start(self, kv_caches: list[KVCache], tables: torch.Tensor, cached: list[int], length: int) -> None:
+    def reset(self) -> None:
+        """Forget the kept buffer (the paged cache was rebound, or its request released)."""
+        self._kept: tuple[str, list[int]] | None = None
+        self._valid = 0
+
+    def forget(self, request_id: str) -> None:
+        if self._kept is not None and self._kept[0] == request_id:
+            self.reset()
+
+    def start(self, kv_caches: list[KVCache], tables: torch.Tensor, cached: list[int], length: int,
+              keep: tuple[str, list[int]] | None = None) -> None:
         """Begin a step for B requests: request b's K/V at positions 0..cached[b] - 1 is in the paged caches at the
-        blocks of tables[b] ([B, W] int32 on the device); the step's passes reach positions below `length`."""
+        blocks of tables[b] ([B, W] int32 on the device); the step's passes reach positions below `length`.
+
+        `keep` (one request: its id and block list): the buffer stays for its next step, which then gathers nothing
+        when it is the same request with the same blocks (a preemption gives it new ones) and the buffer already
+        holds its first cached[0] positions (pass 1 writes the true tokens there as it writes them to the paged
+        cache; the drafted positions past them are rewritten by the next pass 1, as in the paged cache)."""
         device = tables.device
         block_size = kv_caches[0][0].shape[2]
-        num_blocks = -(-max(cached) // block_size) if max(cached) else 0
-        length = max(length, num_blocks * block_size)
         batch = tables.shape[0]
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.key_pos = torch.arange(length, device=device)
         self.rows = torch.arange(batch, device=device)
         # RoPE of every position the step's passes can reach, once: a pass indexes it.
         first = min(cached)
@@ -106,11 +121,21 @@ class ChainDecoder:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.rope_first = first
         self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        kept = self._kept
+        if (keep is not None and kept is not None and batch == 1 and kept[0] == keep[0] and kept[1] is keep[1]
+                and self._valid >= cached[0] and self.buffers[0][0].shape[2] >= length):
+            self._valid = cached[0]
+            return
+        self._kept, self._valid = (keep, cached[0]) if batch == 1 else (None, 0)
+        num_blocks = -(-max(cached) // block_size) if max(cached) else 0
+        # A kept buffer has room for a few steps more before it is gathered anew.
+        capacity = max(length + (KEEP_HEADROOM if keep is not None else 0), num_blocks * block_size)
+        self.key_pos = torch.arange(capacity, device=device)
+        self.buffers = []
         for k_cache, v_cache in ((c[0], c[1]) for c in kv_caches):
             pair = []
             for cache in (k_cache, v_cache):
-                buf = torch.empty(batch, self.num_kv_heads, length, self.head_dim, dtype=cache.dtype, device=device)
+                buf = torch.empty(batch, self.num_kv_heads, capacity, self.head_dim, dtype=cache.dtype, device=device)
                 if num_blocks:
                     # [B, nb, Hkv, bs, D] -> [B, Hkv, nb * bs, D]: each request's context in position order
                     gathered = cache[tables[:, :num_blocks].long()]
@@ -157,6 +182,8 @@ class ChainDecoder:
                 v_buf.transpose(1, 2)[row_index, positions] = v.view(batch, q_len, self.num_kv_heads, self.head_dim)
             if write_slots is not None:
                 self._write_paged(i, k, v, write_slots)
+                if batch == 1 and i == len(self.layers) - 1:
+                    self._valid = max(self._valid, end)  # the true tokens' K/V, in every layer's buffer
             # Each KV head's G * Q queries ([B, Hkv, G * Q, D], G-major) against its keys [B, Hkv, end, D].
             q = qk[:, :self.num_heads].reshape(batch, q_len, self.num_kv_heads, self.group, self.head_dim)
             q = q.permute(0, 2, 3, 1, 4).reshape(batch, self.num_kv_heads, self.group * q_len, self.head_dim)
