@@ -13,8 +13,10 @@ after the target verified the step's drafts, the draft runs for every request it
 2. k - 1 passes of one token per drafting request (the previous draft at the next position): drafts 2..k.
 
 Both run on `ChainDecoder` (draft_chain.py: the context's K/V gathered once per step into a dense buffer, a pass in a
-few tensor ops, drafted positions' K/V kept out of the paged cache) where the draft is a plain full-precision Llama
-and pass 1 has at most MAX_QUERY new tokens per request; a pass over a whole prompt runs on the engine's model code.
+few tensor ops, drafted positions' K/V kept out of the paged cache) where the draft is a plain full-precision Llama,
+every drafting request is greedy and pass 1 has at most MAX_QUERY new tokens per request; a pass over a whole prompt,
+and every pass of a step with a sampled request (whose seeded drafts must not depend on the batch), runs on the
+engine's model code.
 At batch 1 on the example a one-token pass of the model code cost about half a target pass, mostly fixed per-op cost.
 
 The cache catches up lazily, when a request is drafted for, so a step that drafts nothing (the engine chose k = 0:
@@ -322,7 +324,10 @@ class DraftSpeculator(Speculator):
             # drafted positions' KV is only a guess: both are written again next time).
             self._done[req.request_id] = (req.block_ids, req.num_tokens - 1)
         sampled = [j for j, r in enumerate(reqs) if not r.params.greedy]
-        chain = self.chain
+        # Sampled requests draft on the model code, whose kernels sum each row in one order whatever the batch, so a
+        # seeded request's drafts (and output) are the same alone and in any batch; the chain decoder's torch.mm and
+        # attention are not batch-invariant, which greedy drafts (verified exactly) do not need.
+        chain = self.chain if not sampled else None
         if chain is not None and max(r.num_tokens - d for r, d in zip(reqs, starts, strict=True)) <= MAX_QUERY:
             logits = self._chain_first(reqs, starts, draft_tables.to(device), k)
         else:
