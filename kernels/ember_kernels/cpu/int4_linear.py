@@ -53,6 +53,17 @@ def int4_pack(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     return packed, sc, sz
 
 
+def _check_packed(name: str, x: torch.Tensor, packed: torch.Tensor, sc: torch.Tensor, sz: torch.Tensor,
+                  out_features: int, group_size: int) -> None:
+    """The packed layout (`int4_pack`) both int4 kernels read: refuse anything else before C reads past it."""
+    groups = groups_of(x.shape[1], group_size)
+    blocks = -(-out_features // ROW_BLOCK)
+    if (packed.dtype != torch.uint8 or packed.shape != (blocks, groups * group_size // 8 * 64)
+            or sc.shape != (blocks, groups, ROW_BLOCK) or sz.shape != sc.shape):
+        raise ValueError(f"{name}: x {tuple(x.shape)} does not fit packed weights {tuple(packed.shape)}, "
+                         f"scales {tuple(sc.shape)} for {out_features} outputs in groups of {group_size}")
+
+
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, sc: torch.Tensor, sz: torch.Tensor, out_features: int,
                 group_size: int, out_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
     """x [M, K] (CPU) @ the packed int4 weights [N = out_features, K] .T -> [M, N] in `out_dtype`; None if the
@@ -61,12 +72,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, sc: torch.Tensor, sz: tor
     if fn is None:
         return None
     num_rows, in_features = x.shape
-    groups = groups_of(in_features, group_size)
-    blocks = -(-out_features // ROW_BLOCK)
-    if (packed.dtype != torch.uint8 or packed.shape != (blocks, groups * group_size // 8 * 64)
-            or sc.shape != (blocks, groups, ROW_BLOCK) or sz.shape != sc.shape):
-        raise ValueError(f"int4_linear: x {tuple(x.shape)} does not fit packed weights {tuple(packed.shape)}, "
-                         f"scales {tuple(sc.shape)} for {out_features} outputs in groups of {group_size}")
+    _check_packed("int4_linear", x, packed, sc, sz, out_features, group_size)
     if x.dtype not in _NATIVE_DTYPES:
         x = x.float()
     x = x.contiguous()
@@ -96,12 +102,7 @@ def amx_int4_linear(x: torch.Tensor, packed: torch.Tensor, sc: torch.Tensor, sz:
     if fn is None or not amx_available():
         return None
     num_rows, in_features = x.shape
-    groups = groups_of(in_features, group_size)
-    blocks = -(-out_features // ROW_BLOCK)
-    if (packed.dtype != torch.uint8 or packed.shape != (blocks, groups * group_size // 8 * 64)
-            or sc.shape != (blocks, groups, ROW_BLOCK) or sz.shape != sc.shape):
-        raise ValueError(f"amx_int4_linear: x {tuple(x.shape)} does not fit packed weights {tuple(packed.shape)}, "
-                         f"scales {tuple(sc.shape)} for {out_features} outputs in groups of {group_size}")
+    _check_packed("amx_int4_linear", x, packed, sc, sz, out_features, group_size)
     x = x.contiguous()
     kernel_dtype = out_dtype if out_dtype in _NATIVE_DTYPES else torch.float32
     out = torch.empty(num_rows, out_features, dtype=kernel_dtype)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -147,23 +148,7 @@ def bf16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     the weights widened exactly to bf16 a tile at a time and AVX512_BF16 dot products (float32 sums, one chain
     per output in k order: a row's result never depends on its batch). None where it cannot run (no
     AVX512_BF16, or x not bfloat16: rounding float32 activations to bf16 would change the map)."""
-    if x.dtype != torch.bfloat16 or not bf16_gemm_available():
-        return None
-    kind = _KINDS.get(qweight.dtype)
-    if kind is None:
-        raise ValueError(f"bf16_gemm needs int8 or float8_e4m3fn weights, got {qweight.dtype}")
-    _check(x, qweight, scale, qweight.dtype, "bf16_gemm")
-    fn = native_function("ember_bf16_gemm", _BF16_GEMM_ARGTYPES)
-    x = x.contiguous()
-    kernel_dtype = out_dtype if out_dtype in _NATIVE_DTYPES else torch.float32
-    y = torch.empty(x.shape[0], qweight.shape[0], dtype=kernel_dtype)
-    if x.shape[0] == 0:
-        return y.to(out_dtype)
-    rc = fn(x.data_ptr(), qweight.data_ptr(), kind, scale.data_ptr(), y.data_ptr(),  # type: ignore[misc]
-            kernel_dtype == torch.bfloat16, x.shape[0], qweight.shape[0], qweight.shape[1], torch.get_num_threads())
-    if rc != 0:
-        return None
-    return y if kernel_dtype == out_dtype else y.to(out_dtype)
+    return _widened_gemm("bf16_gemm", "ember_bf16_gemm", bf16_gemm_available, x, qweight, scale, out_dtype)
 
 
 def amx_available() -> bool:
@@ -178,13 +163,20 @@ def amx_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     """`bf16_gemm`'s map (bf16 x, int8 or float8_e4m3fn weights widened exactly, float32 sums, a row's result
     independent of its batch) on the AMX tile unit: weights widened a block at a time into the tile layout, x
     copied once into padded rows. None where it cannot run (no AMX, or x not bfloat16)."""
-    if x.dtype != torch.bfloat16 or not amx_available():
+    return _widened_gemm("amx_gemm", "ember_amx_gemm", amx_available, x, qweight, scale, out_dtype)
+
+
+def _widened_gemm(name: str, symbol: str, available: Callable[[], bool], x: torch.Tensor, qweight: torch.Tensor,
+                  scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """The call both bf16 kernels share (same arguments, same map): None where `available` says no or x is not
+    bfloat16 (rounding float32 activations to bf16 would change the map), or where the kernel refuses."""
+    if x.dtype != torch.bfloat16 or not available():
         return None
     kind = _KINDS.get(qweight.dtype)
     if kind is None:
-        raise ValueError(f"amx_gemm needs int8 or float8_e4m3fn weights, got {qweight.dtype}")
-    _check(x, qweight, scale, qweight.dtype, "amx_gemm")
-    fn = native_function("ember_amx_gemm", _BF16_GEMM_ARGTYPES)
+        raise ValueError(f"{name} needs int8 or float8_e4m3fn weights, got {qweight.dtype}")
+    _check(x, qweight, scale, qweight.dtype, name)
+    fn = native_function(symbol, _BF16_GEMM_ARGTYPES)
     x = x.contiguous()
     kernel_dtype = out_dtype if out_dtype in _NATIVE_DTYPES else torch.float32
     y = torch.empty(x.shape[0], qweight.shape[0], dtype=kernel_dtype)
