@@ -141,6 +141,10 @@ class ChainDecoder:
                     gathered = cache[tables[:, :num_blocks].long()]
                     buf[:, :, :num_blocks * block_size].copy_(gathered.transpose(1, 2).reshape(
                         batch, self.num_kv_heads, num_blocks * block_size, self.head_dim))
+                # Zero what no pass has written yet: a masked key still meets its value in SDPA (weight 0 times
+                # the value), and uninitialized memory can hold NaN, which 0 * NaN spreads to the whole row
+                # (seen as drafts of token 0 in a batched first pass).
+                buf[:, :, num_blocks * block_size:].zero_()
                 pair.append(buf)
             self.buffers.append((pair[0], pair[1]))
 

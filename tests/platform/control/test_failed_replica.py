@@ -120,7 +120,9 @@ def test_a_failed_replica_is_reaped_and_replaced_and_the_deployment_serves_again
             stuck.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                           f"Authorization: Bearer {replica.secret}\r\nContent-Length: 1000\r\n\r\n{{".encode())
             crashed_at = time.monotonic()
-            await asyncio.to_thread(crash, replica.url, replica.secret)
+            # The plane probes every 0.2 s and kills a failed replica after its grace: on a loaded machine that can
+            # come before this thread reads /ready (connection refused), which is the behaviour under test.
+            await asyncio.to_thread(crash_until_gone, replica.url, replica.secret)
 
             await until(lambda: reaped(pid) and replica not in dep.replicas, 15,
                         f"the failed replica (pid {pid}) to be reaped and buried")
