@@ -5,6 +5,8 @@ layers handing bf16 batches above their thresholds to these kernels."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -17,27 +19,17 @@ from ember_plugins.quantization.fp8 import TILED_THRESHOLD, Fp8Linear
 from ember_plugins.quantization.int4 import AMX_ROWS, Int4Linear, quantize_rtn
 from ember_plugins.quantization.int8 import AMX_THRESHOLD, Int8Linear
 
+Operands = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # the `operands` fixture (conftest.py)
 pytestmark = pytest.mark.skipif(not amx_available(), reason="no AMX here (CPU or OS)")
 SHAPES = [(48, 64), (37, 203), (5, 1), (100, 1024), (70, 96)]
 
-
-def operands(rows: int, out_features: int, in_features: int, kind: torch.dtype, seed: int = 0
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, in_features, generator=gen).bfloat16()
-    if kind == torch.int8:
-        qweight = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
-    else:  # across e4m3's range, subnormals included
-        w = torch.randn(out_features, in_features, generator=gen) * torch.exp2(
-            torch.randint(-10, 8, (out_features, 1), generator=gen).float())
-        qweight = w.clamp(-448, 448).to(torch.float8_e4m3fn)
-    return x, qweight, torch.rand(out_features, generator=gen) * 0.01 + 1e-4
 
 
 @pytest.mark.parametrize("kind", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 33, 70])
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-def test_matches_the_reference(kind: torch.dtype, rows: int, out_features: int, in_features: int) -> None:
+def test_matches_the_reference(kind: torch.dtype, rows: int, out_features: int, in_features: int,
+                               operands: Operands) -> None:
     x, qweight, scale = operands(rows, out_features, in_features, kind)
     out = amx_gemm(x, qweight, scale, torch.float32)
     expected = quantized_linear_reference(x, qweight, scale)
@@ -57,7 +49,7 @@ def test_reads_every_e4m3_code() -> None:
 
 
 @pytest.mark.parametrize("kind", [torch.int8, torch.float8_e4m3fn])
-def test_bf16_out_is_the_float32_result_rounded(kind: torch.dtype) -> None:
+def test_bf16_out_is_the_float32_result_rounded(kind: torch.dtype, operands: Operands) -> None:
     x, qweight, scale = operands(40, 37, 203, kind)
     x[2, 0] = float("nan")  # a NaN row stays NaN
     out, via_float = amx_gemm(x, qweight, scale, torch.bfloat16), amx_gemm(x, qweight, scale, torch.float32)
@@ -68,7 +60,7 @@ def test_bf16_out_is_the_float32_result_rounded(kind: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("kind", [torch.int8, torch.float8_e4m3fn])
-def test_a_row_is_bitwise_the_same_in_any_batch(kind: torch.dtype) -> None:
+def test_a_row_is_bitwise_the_same_in_any_batch(kind: torch.dtype, operands: Operands) -> None:
     x, qweight, scale = operands(70, 29, 133, kind)
     x[1] *= 1000
     together = amx_gemm(x, qweight, scale, torch.float32)
@@ -78,7 +70,7 @@ def test_a_row_is_bitwise_the_same_in_any_batch(kind: torch.dtype) -> None:
         assert torch.equal(amx_gemm(x[rows:rows + 1], qweight, scale, torch.float32), together[rows:rows + 1])
 
 
-def test_float32_activations_are_left_to_the_other_paths() -> None:
+def test_float32_activations_are_left_to_the_other_paths(operands: Operands) -> None:
     x, qweight, scale = operands(8, 16, 32, torch.float8_e4m3fn)
     assert amx_gemm(x.float(), qweight, scale) is None  # rounding them to bf16 would change the map
 
