@@ -28,7 +28,8 @@ It then picks `argmax_k B * E(k) / (T(B, k) + D(B, k))` for B decoding requests,
 work is the same however many steps its request's decoding takes (and which prompts the next step brings is not
 known when its drafts are made). Measurements decay
 (the load changes), and a step now and then drafts the full k for a few requests, so that acceptance and the cost
-of drafts stay measured even while they do not pay, and one now and then drafts none, so that what speculation is
+of drafts stay measured even while they do not pay (less and less often while each such probe confirms they do
+not: a probe costs a model-backed drafter a pass over the probed requests' contexts), and one now and then drafts none, so that what speculation is
 compared with stays measured too. A direction the measurements do not tell apart (only plain steps seen, say) is
 priced pessimistically, every token at the average cost per token seen, as if compute-bound: a draft is not bet on
 before it was measured. The same logic keeps k high where a wider pass is nearly free (a GPU at moderate batch:
@@ -47,6 +48,12 @@ import numpy as np
 DECAY = 0.99  # each step's cost weighs 1%: about 100 steps of memory, a probe's measurement outlives the next probe
 ACCEPTANCE_DECAY = 0.995  # per verified request: about 200 requests' drafts of memory
 PROBE_EVERY = 64  # one step in this many drafts the full k, to keep measuring what is not chosen
+# ... while drafts pay. A probe that finds they do not (best length 0) doubles the interval, up to this many steps:
+# a probe of a model-backed drafter brings its cache up to date for the probed requests (a pass over their whole
+# context), so at batch 32 on a CPU probing every 64 steps cost ~3% of the throughput, which a measurement that
+# keeps saying "no" does not buy. A step whose batch the measurements say drafts pay at (best length > 0) goes back
+# to PROBE_EVERY; one with a batch half the size of the last probe's or less probes at once.
+MAX_PROBE_EVERY = 1024
 WARMUP_STEPS = 8  # the first steps draft the full k: nothing is measured yet
 # Warm-up and probe steps draft the full k for this many requests of the batch only (rotating; the others get the
 # length chosen): enough to keep acceptance and the cost of a draft measured, while at a large batch a probe of
@@ -199,6 +206,9 @@ class SpeculationLength:
         if tree:  # marginals (see the module docstring), from the same prior: prod_{i<=j} 1/2
             self._accepted = [2.0 * 0.5 ** j for j in range(max_k + 1)]
         self._steps = 0
+        self._probe_every = PROBE_EVERY  # grows while probes find drafts do not pay (MAX_PROBE_EVERY)
+        self._next_probe = PROBE_EVERY
+        self._probe_batch = 0  # decoding requests at the last probe
         self.k = max_k  # the last step's drafts per request (the most any request got)
         self.best_k = max_k  # the last length chosen from the measurements (what a probe step gives the others)
         self.probing = False  # the last choice was a warm-up or probe step (see PROBE_REQUESTS)
@@ -270,7 +280,7 @@ class SpeculationLength:
         self._steps += 1
         warm_up = self._steps <= WARMUP_STEPS
         self.best_k = 0 if warm_up else self._best(num_decoding)
-        self.probing = warm_up or self._steps % PROBE_EVERY == 0
+        self.probing = warm_up or self._probe_due(num_decoding)
         if self.probing:
             self.k = self.max_k
         elif self._steps % PROBE_EVERY == PROBE_EVERY // 2:
@@ -280,6 +290,21 @@ class SpeculationLength:
         else:
             self.k = self.best_k
         return self.k
+
+    def _probe_due(self, num_decoding: int) -> bool:
+        """Whether this step probes (see MAX_PROBE_EVERY for how the interval adapts)."""
+        if 2 * num_decoding <= self._probe_batch:  # another regime: measure it now
+            self._probe_every, self._next_probe = PROBE_EVERY, self._steps
+        elif self.best_k:
+            self._probe_every = PROBE_EVERY
+            self._next_probe = min(self._next_probe, self._steps + PROBE_EVERY)
+        if self._steps < self._next_probe:
+            return False
+        if not self.best_k:
+            self._probe_every = min(2 * self._probe_every, MAX_PROBE_EVERY)
+        self._next_probe = self._steps + self._probe_every
+        self._probe_batch = num_decoding
+        return True
 
     def _best(self, num_decoding: int) -> int:
         """argmax_k of `rate` (written out: it runs every step)."""

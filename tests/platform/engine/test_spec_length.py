@@ -4,6 +4,7 @@ bound by compute, or drafts rejected), and the engine really runs with the choic
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ember_platform import LLM, SamplingParams
-from ember_platform.engine.spec_length import PROBE_EVERY, PROBE_REQUESTS, WARMUP_STEPS, SpeculationLength, StepCost
+from ember_platform.engine.spec_length import MAX_PROBE_EVERY, PROBE_EVERY, PROBE_REQUESTS, WARMUP_STEPS, SpeculationLength, StepCost
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny-llama"
 
@@ -72,7 +73,26 @@ def test_warm_up_and_probes_draft_the_full_length_to_keep_measuring() -> None:
     assert [length.choose(8) for _ in range(WARMUP_STEPS)] == [4] * WARMUP_STEPS  # nothing measured yet
     bad = trained(lambda tokens: 0.0005 * tokens, acceptance=0.0, batch=8)
     chosen = [bad.choose(8) for _ in range(PROBE_EVERY * 2)]
-    assert chosen.count(4) == 2 and chosen.count(0) == PROBE_EVERY * 2 - 2
+    assert chosen.count(4) == 1 and chosen.count(0) == PROBE_EVERY * 2 - 1
+
+
+def test_probes_back_off_while_they_find_drafts_do_not_pay_and_return_when_the_batch_shrinks() -> None:
+    bad = trained(lambda tokens: 0.0005 * tokens, acceptance=0.0, batch=8)
+    probes = [i for i in range(40 * PROBE_EVERY) if bad.choose(8) == 4]
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    # every probe found nothing pays: each interval twice the one before, up to the ceiling
+    assert gaps[:4] == [2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY, MAX_PROBE_EVERY]
+    assert set(gaps[3:]) == {MAX_PROBE_EVERY}
+    # a batch half as large may be one where drafts pay: probed at once
+    assert bad.choose(4) == 4
+
+
+def test_probes_keep_their_interval_while_drafts_pay() -> None:
+    flat = trained(lambda tokens: 0.010 + 0.00001 * tokens, acceptance=0.7)
+    flat.max_k = 4
+    for _ in range(8 * PROBE_EVERY):
+        flat.choose(1)
+    assert flat._probe_every == PROBE_EVERY
 
 
 def test_fixed_length_when_not_adaptive() -> None:
@@ -228,7 +248,8 @@ def test_cheap_prefill_tokens_do_not_make_wide_decode_steps_look_cheap() -> None
     assert stream(spec, prompts, 12) == plain  # exact, whatever length was chosen
     assert sum(tokens - requests - drafts >= 20 for tokens, requests, drafts in steps) >= len(steps) // 4  # prompts
     steady = chosen[WARMUP_STEPS:]
-    assert steady.count(0) >= len(steady) - len(steady) // PROBE_EVERY - 1, chosen
+    # probes only: every PROBE_EVERY steps at most, and once each time the batch halves as the last requests finish
+    assert steady.count(0) >= len(steady) - len(steady) // PROBE_EVERY - 1 - math.ceil(math.log2(12)), chosen
     # The same workload where a wider pass is nearly free (a GPU at this batch): the drafts pay, k stays high.
     spec, chosen = with_cost_model(lambda tokens, requests, drafts: 0.010 + 0.00002 * (tokens - requests - drafts),
                                    12)
