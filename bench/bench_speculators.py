@@ -8,7 +8,11 @@ listed in examples/tiny-llama/training.json), so learned drafters (Medusa) are n
 For each batch size, each method and "none" run the same prompts with greedy decoding of --max-tokens tokens, EOS
 ignored, interleaved repeats. Batch 1: each prompt alone; decode tokens/s is the tokens after each request's first
 over the time from its first token to its last, summed. Batch B: B requests kept in flight (a new one submitted as
-one finishes) over 3B requests; tokens/s from the first token to the last.
+one finishes) over 3B requests, every engine serving its own copy of the queue in lockstep (each takes one step in
+turn, so that the load of the machine's other processes falls on all of them alike, step by step, instead of on
+whichever ran during a busy spell: on a shared 2-core machine whole-run repeats of the same engine differed by up to
+30%, lockstep runs of two identical engines by under 1%); tokens/s are the tokens after each request's first over
+the engine's own step time from its first token on.
 Ratios are median rate with the method over median rate without. The methods run with their draft length chosen
 adaptively (the engine default: drafts only where measured acceptance and step cost say they pay), so at large
 batch a method should fall back to ~1.0x rather than below it; greedy outputs are compared with "none".
@@ -35,6 +39,7 @@ import json
 import math
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,62 +116,89 @@ def main() -> None:
     for engine in engines.values():
         run_engine(engine, prompts[:2], greedy(8))  # warm-up
 
-    def measure(engine: Any, size: int) -> dict[str, Any]:
-        """Batch 1: each prompt alone. Larger: `size` requests in flight, a new one added as one finishes, over 3x
-        as many requests as the batch holds (a closed batch would be timed by its slowest request, the one drafts
-        help least)."""
-        drafts, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
+    def counters(engine: Any) -> tuple[int, int, int]:
         verified = engine.spec.length.num_verified if engine.spec is not None else 0
-        queue = [prompts[i % len(prompts)] for i in range(len(prompts) if size == 1 else 3 * size)]
-        cpu = time.process_time()
-        if size == 1:
-            timings = [run_engine(engine, [prompt], params)[0] for prompt in queue]
-            tokens = sum(t.num_tokens - 1 for t in timings)
-            seconds = sum(t.total - t.ttft for t in timings)
-            ids = [t.token_ids for t in timings]
-            steps = sum(t.num_steps for t in timings)
-        else:
-            tokens, seconds, ids, steps = stream(engine, queue, size)
-        cpu = time.process_time() - cpu
+        return engine.num_draft_tokens, engine.num_accepted_tokens, verified
+
+    def result(engine: Any, before: tuple[int, int, int], tokens: int, seconds: float, cpu: float,
+               ids: list[list[int]], steps: int) -> dict[str, Any]:
+        drafts, accepted, verified = (now - then for now, then in zip(counters(engine), before, strict=True))
         return {"rate": tokens / seconds, "tokens_per_step": tokens / steps, "cpu_rate": sum(map(len, ids)) / cpu,
-                "drafts": engine.num_draft_tokens - drafts, "accepted": engine.num_accepted_tokens - accepted,
-                "verified": (engine.spec.length.num_verified if engine.spec is not None else 0) - verified,
-                "token_ids": ids}
+                "drafts": drafts, "accepted": accepted, "verified": verified, "token_ids": ids,
+                "k": engine.spec.length.k if engine.spec is not None else 0}
 
-    def stream(engine: Any, queue: list[list[int]], size: int,
-               each: list[Any] | None = None) -> tuple[int, float, list[list[int]], int]:
-        """(tokens after each request's first, seconds from the first token to the last, each request's tokens,
-        steps that gave some request tokens, summed over requests). `each`: per request params (default `params`)."""
-        outputs: dict[str, list[int]] = {}
-        pending = list(enumerate(queue))
-        first = None
-        steps = 0
+    def measure_alone(engine: Any) -> dict[str, Any]:
+        """Batch 1: each prompt alone."""
+        before, cpu = counters(engine), time.process_time()
+        timings = [run_engine(engine, [prompt], params)[0] for prompt in prompts]
+        return result(engine, before, sum(t.num_tokens - 1 for t in timings), sum(t.total - t.ttft for t in timings),
+                      time.process_time() - cpu, [t.token_ids for t in timings], sum(t.num_steps for t in timings))
 
-        def add() -> None:
-            index, prompt = pending.pop(0)
-            engine.add_request(f"spec-bench-{id(queue)}-{index}", prompt, params if each is None else each[index])
-            outputs[f"spec-bench-{id(queue)}-{index}"] = []
+    def lockstep(queue: list[list[int]], size: int, each: list[Any] | None = None) -> dict[str, dict[str, Any]]:
+        """Every engine serves `queue` with `size` requests in flight (a new one added as one finishes: a closed
+        batch would be timed by its slowest request, the one drafts help least), one step each in turn. Timed by
+        each engine's own steps from its first token on; `each`: per request params (default `params`)."""
+        order = list(engines) if len(runs_so_far) % 2 == 0 else list(engines)[::-1]
+        runs_so_far.append(None)
+        state = {}
+        for name in order:
+            state[name] = {"pending": list(enumerate(queue)), "outputs": {}, "seconds": 0.0, "cpu": 0.0,
+                           "steps": 0, "started": False, "before": counters(engines[name]),
+                           "tag": f"{name}-{len(runs_so_far)}"}
+            for _ in range(min(size, len(queue))):
+                add(engines[name], state[name], each)
+        live = list(order)
+        while live:
+            for name in list(live):
+                engine, st = engines[name], state[name]
+                if not engine.has_unfinished():
+                    live.remove(name)
+                    continue
+                wall, cpu = time.perf_counter(), time.process_time()
+                outs = engine.step()
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                if st["started"]:  # from the first token on
+                    st["seconds"] += wall
+                st["cpu"] += cpu
+                for out in outs:
+                    if out.new_token_ids:
+                        st["started"] = True
+                        st["outputs"][out.request_id] += out.new_token_ids
+                        st["steps"] += 1
+                    if out.finished:
+                        engine.forget(out.request_id)
+                        if st["pending"]:
+                            add(engine, st, each)
+        out = {}
+        for name, st in state.items():
+            ids = list(st["outputs"].values())
+            out[name] = result(engines[name], st["before"], sum(len(t) - 1 for t in ids), st["seconds"], st["cpu"],
+                               ids, st["steps"])
+        return out
 
-        for _ in range(min(size, len(pending))):
-            add()
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.new_token_ids:
-                    first = first or time.perf_counter()
-                    outputs[out.request_id] += out.new_token_ids
-                    steps += 1
-                if out.finished:
-                    engine.forget(out.request_id)
-                    if pending:
-                        add()
-        seconds = time.perf_counter() - (first or time.perf_counter())
-        ids = list(outputs.values())
-        return sum(len(t) - 1 for t in ids), seconds, ids, steps
+    def add(engine: Any, st: dict[str, Any], each: list[Any] | None) -> None:
+        index, prompt = st["pending"].pop(0)
+        request_id = f"spec-bench-{st['tag']}-{index}"
+        engine.add_request(request_id, prompt, params if each is None else each[index])
+        st["outputs"][request_id] = []
+
+    runs_so_far: list[None] = []
+
+    def repeated(run: Callable[[], dict[str, dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+        results: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
+        for _ in range(args.repeats):
+            for name, r in run().items():
+                results[name].append(r)
+        return results
 
     rows, record = [], {}
     for size in batches:
-        runs = interleaved({name: (lambda e=engine, b=size: measure(e, b)) for name, engine in engines.items()},
-                           args.repeats)
+        if size == 1:
+            runs = interleaved({name: (lambda e=engine: measure_alone(e)) for name, engine in engines.items()},
+                               args.repeats)
+        else:
+            queue = [prompts[i % len(prompts)] for i in range(3 * size)]
+            runs = repeated(lambda q=queue, b=size: lockstep(q, b))
         base = median(r["rate"] for r in runs["none"])
         cpu_base = median(r["cpu_rate"] for r in runs["none"])
         for name, results in runs.items():
@@ -201,18 +233,10 @@ def main() -> None:
                                 SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=out_len,
                                                ignore_eos=True))
 
-        def measure_mixed(engine: Any) -> dict[str, Any]:
-            drafts, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
-            cpu = time.process_time()
-            tokens, seconds, ids, steps = stream(engine, mixed_queue, args.mixed, mixed_params)
-            cpu = time.process_time() - cpu
-            return {"rate": tokens / seconds, "tokens_per_step": tokens / steps, "token_ids": ids[::2],
-                    "cpu_rate": sum(map(len, ids)) / cpu,
-                    "drafts": engine.num_draft_tokens - drafts, "accepted": engine.num_accepted_tokens - accepted,
-                    "k": engine.spec.length.k if engine.spec is not None else 0}
-
-        runs = interleaved({name: (lambda e=engine: measure_mixed(e)) for name, engine in engines.items()},
-                           args.repeats)
+        runs = repeated(lambda: lockstep(mixed_queue, args.mixed, mixed_params))
+        for results in runs.values():
+            for r in results:
+                r["token_ids"] = r["token_ids"][::2]  # the greedy half (requests alternate greedy, sampled)
         base = median(r["rate"] for r in runs["none"])
         cpu_base = median(r["cpu_rate"] for r in runs["none"])
         for name, results in runs.items():

@@ -102,6 +102,31 @@ def test_drafting_resumes_after_steps_with_nothing_to_propose_for(plain_outputs:
     assert not speculator._gaps  # released with the requests
 
 
+def test_skipped_steps_leave_one_gap_that_ends_where_drafting_resumes() -> None:
+    # Steps with nothing to propose for cost a dict lookup per request (no pass of the head, no per-step record);
+    # the positions they skipped become one gap, closed at the first position the head writes again.
+    llm = eagle3(speculator_max_batch_size=1)
+    engine, speculator = llm.engine, llm.engine.speculator
+    engine.add_request("long", PROMPTS[0], GREEDY)
+    engine.add_request("short", PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    prompt_len = len(engine.tokenizer.encode(PROMPTS[0]))
+    closed_at = []
+    close = speculator._close
+    speculator._close = lambda rid, first: (closed_at.append((rid, first)), close(rid, first))
+    while engine.has_unfinished() and not closed_at:
+        engine.step()
+        if not closed_at:
+            assert speculator._open["long"][0] == 0 and not speculator._gaps  # skipping since its prompt
+    rid, first = closed_at[0]
+    assert rid == "long" and first > prompt_len  # "short" finished: "long" drafts alone, past its prompt
+    assert speculator._gaps == {"long": [(0, first)]} and "long" not in speculator._open
+    while engine.has_unfinished():
+        engine.step()
+    engine.forget("long")
+    engine.forget("short")
+    assert not speculator._gaps and not speculator._open
+
+
 def reference_drafts(draft: torch.nn.Module, hf_model: torch.nn.Module, layers: tuple[int, ...], tokens: list[int],
                      k: int) -> list[int]:
     """The head's k greedy drafts after `tokens`, computed from transformers' hidden states with dense attention:

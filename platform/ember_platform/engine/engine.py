@@ -462,7 +462,7 @@ class LLMEngine:
             if not req.status.finished:
                 self.kv.cache_blocks(req)
         if spec is not None:
-            self._propose(spec, batch.requests, plan, result, [num_accepted[i] for i in range(len(batch.requests))])
+            self._propose(spec, batch.requests, plan, result, num_accepted)
         return outputs
 
     def _move_tree_kv(self, sampled: list[Request], paths: dict[str, list[int]]) -> None:
@@ -504,12 +504,15 @@ class LLMEngine:
                 state.prompt_logprobs.append(TokenLogprobs(int(targets[j]), chosen[j], top))
 
     def _propose(self, spec: SpecDecoder, batch: list[Request], plan: StepPlan, result: StepOutput,
-                 num_accepted: list[int]) -> None:
-        # The rows of each request that stay in its sequence: its tokens computed this step, less rejected drafts.
-        num_kept = [max(0, min(n, req.num_computed_tokens - (s - n)))
-                    for req, n, s in zip(batch, plan.query_lens, plan.seq_lens, strict=True)]
+                 num_accepted: dict[int, int]) -> None:
         try:
-            spec.propose(batch, plan, result, num_kept, num_accepted, self.scheduler.num_running)
+            budgets = spec.draft_lengths(batch, self.scheduler.num_running)
+            if budgets is None:  # no drafts this step, and the speculator need not see it
+                return
+            # The rows of each request that stay in its sequence: its tokens computed this step, less rejected drafts.
+            num_kept = [max(0, min(n, req.num_computed_tokens - (s - n)))
+                        for req, n, s in zip(batch, plan.query_lens, plan.seq_lens, strict=True)]
+            spec.propose(batch, plan, result, budgets, num_kept, [num_accepted[i] for i in range(len(batch))])
         except Exception:  # drafts are an optimization: a speculator that fails costs this step's drafts only
             log.exception("the speculator failed; this step has no drafts")
             for req in batch:

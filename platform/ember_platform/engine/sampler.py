@@ -387,16 +387,54 @@ class Sampler:
 
 
 def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    # One ascending sort serves both; top-p then works on the distribution top-k left.
-    sorted_x, order = x.sort(dim=-1)  # [N, V]
+    """Mask (to -inf) what top-k, then top-p on the distribution top-k left, remove from each row: a logit threshold
+    per row, found from the row's largest values only (NUCLEUS_CANDIDATES first, more where its nucleus is wider).
+
+    A full sort of every row cost a quarter of a decode step at batch 32 on a CPU (0.37 ms per row of a 4096-token
+    vocabulary, sampled and greedy rows alike), while a nucleus is usually a few dozen tokens. The threshold keeps
+    every token tied with the last one in (a sort would keep an arbitrary few of them): a row's result never
+    depends on the order its ties were visited in, nor on the rest of the batch."""
     vocab_size = x.shape[-1]
+    active = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
     if top_k is not None:
-        kth_largest = sorted_x.gather(1, (vocab_size - top_k).unsqueeze(1))
-        sorted_x.masked_fill_(sorted_x < kth_largest, _NEG_INF)
+        active |= top_k < vocab_size
     if top_p is not None:
-        # Drop a token when the tokens ranked above it already hold at least top_p of the mass.
-        cumulative = sorted_x.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative <= (1 - top_p).unsqueeze(1)
-        drop[:, -1] = False  # the most likely token always stays
-        sorted_x.masked_fill_(drop, _NEG_INF)
-    return torch.empty_like(x).scatter_(1, order, sorted_x)
+        active |= top_p < 1
+    rows = active.nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return x
+    sub = x.index_select(0, rows)  # [n, V]
+    threshold = torch.full((rows.numel(),), _NEG_INF, dtype=x.dtype, device=x.device)
+    if top_k is not None:
+        k = top_k.index_select(0, rows).clamp(min=1, max=vocab_size)
+        largest = sub.topk(int(k.max()), dim=-1).values  # [n, max k], descending
+        threshold = torch.where(k < vocab_size, largest.gather(1, (k - 1).unsqueeze(1)).squeeze(1), threshold)
+    if top_p is not None:
+        _top_p_threshold(sub, threshold, top_p.index_select(0, rows))
+    sub.masked_fill_(sub < threshold.unsqueeze(1), _NEG_INF)
+    return x.index_copy_(0, rows, sub)
+
+
+NUCLEUS_CANDIDATES = 64  # largest values a nucleus is first looked for in; x8 for the rows it did not fit in
+
+
+def _top_p_threshold(x: torch.Tensor, threshold: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Raise `threshold` [n] (top-k's, -inf without) to each row's top-p cut of the distribution of x [n, V] above
+    it: the smallest value among the fewest largest tokens that hold at least top_p of its mass (a token is dropped
+    when the tokens ranked above it already hold top_p)."""
+    masked = x.masked_fill(x < threshold.unsqueeze(1), _NEG_INF)
+    log_total = masked.logsumexp(dim=-1)
+    pending = (top_p < 1).nonzero().squeeze(1)
+    vocab_size, candidates = x.shape[-1], NUCLEUS_CANDIDATES
+    while pending.numel():
+        c = min(candidates, vocab_size)
+        largest = masked.index_select(0, pending).topk(c, dim=-1).values  # descending
+        probs = (largest - log_total.index_select(0, pending).unsqueeze(1)).exp()
+        above = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each
+        last = (above < top_p.index_select(0, pending).unsqueeze(1)).sum(dim=-1).clamp(min=1) - 1
+        # Found: a candidate past the last kept one exists, or every token was a candidate, or the rest are out.
+        found = (last < c - 1) | (c == vocab_size) | (largest[:, -1] == _NEG_INF)
+        cut = largest.gather(1, last.unsqueeze(1)).squeeze(1)
+        done = pending[found]
+        threshold.index_copy_(0, done, torch.maximum(threshold.index_select(0, done), cut[found]))
+        pending, candidates = pending[~found], candidates * 8

@@ -70,15 +70,18 @@ class SpecDecoder:
     def take_draft_probs(self, requests: Sequence[Request]) -> list[torch.Tensor | None]:
         """The draft probabilities of each request's pending drafts (None: deterministic drafts, or none); taken,
         since a step verifies every draft it schedules."""
+        if not self._probs:  # most steps at a large batch: no drafts anywhere
+            return [None] * len(requests)
         return [self._probs.pop(r.request_id, None) for r in requests]
 
     def release(self, request_id: str) -> None:
         self._probs.pop(request_id, None)
         self.speculator.release(request_id)
 
-    def propose(self, batch: Sequence[Request], plan: StepPlan, output: StepOutput, num_kept: list[int],
-                num_accepted: list[int], num_running: int) -> None:
-        """Ask the speculator for the next drafts of this step's requests (`spec_token_ids`, verified next step)."""
+    def draft_lengths(self, batch: Sequence[Request], num_running: int) -> dict[int, int] | None:
+        """How many drafts each of this step's requests gets next step (batch index -> length, those with any), or
+        None where the speculator need not even be called: nobody gets drafts and it does not track steps without
+        them (`Speculator.sees_steps_without_drafts`). Call `propose` with the result otherwise."""
         # Requests that asked for logprobs get no drafts (verification would need each position's logprobs), nor do
         # those still in their prefill, nor structured ones (their grammar masks each position: see
         # structured_output.py). Whether drafts pay at this batch size is measured (self.length); a user's
@@ -88,12 +91,22 @@ class SpecDecoder:
             i for i, r in enumerate(batch)
             if r.status == RequestStatus.RUNNING and r.params.logprobs is None and r.params.structured is None
             and r.num_computed_tokens == r.num_tokens - 1]
-        # How many drafts pay at this batch size (spec_length.py), per request; with none, the speculator still sees
-        # the step.
+        # How many drafts pay at this batch size (spec_length.py), per request; with none, a speculator that keeps
+        # per-request state still sees the step.
         k = self.length.choose(len(eligible)) if eligible else 0
         lengths = self.length.lengths(len(eligible)) if k else [0] * len(eligible)
         budgets = {i: n for i, n in zip(eligible, lengths, strict=True) if n}
+        if not budgets and not self.speculator.sees_steps_without_drafts:
+            self._paths = {}
+            return None
+        return budgets
+
+    def propose(self, batch: Sequence[Request], plan: StepPlan, output: StepOutput, budgets: dict[int, int],
+                num_kept: list[int], num_accepted: list[int]) -> None:
+        """Ask the speculator for the next drafts of this step's requests (`spec_token_ids`, verified next step),
+        `budgets` from `draft_lengths`."""
         eligible = list(budgets)
+        k = max(budgets.values(), default=0)
         token_ids, positions, hidden, aux = plan.input_ids, plan.positions, output.hidden_states, \
             output.aux_hidden_states
         if plan.trees:  # each tree request's accepted path first, at its RoPE positions: then it reads as a chain

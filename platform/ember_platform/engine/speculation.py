@@ -164,10 +164,13 @@ class Speculator(ABC):
 
     Constructed once per engine, after the model loads and before the KV cache is sized. `propose` is called
     once per step that ran the model (with `propose_for` empty when no request can take drafts), so a
-    speculator that keeps per-request state (a draft KV cache) sees every token, prompts included.
+    speculator that keeps per-request state (a draft KV cache) sees every token, prompts included; one that
+    does not need the steps without drafts (stateless, or catching up lazily from the requests' tokens) sets
+    `sees_steps_without_drafts = False`, and the engine skips those calls (at a large batch, most steps).
     """
 
     uses_hidden_states: ClassVar[bool] = False  # the final hidden state of every scheduled token
+    sees_steps_without_drafts: ClassVar[bool] = True
     # Proposes trees (`Proposal.parents`); the engine then requires an attention backend that supports tree
     # attention. An instance may set it from its options (Medusa: `tree`).
     drafts_trees: bool = False

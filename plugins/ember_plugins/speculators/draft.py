@@ -134,6 +134,8 @@ def _process(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
 class DraftSpeculator(Speculator):
     """Runs a draft model; takes no options beyond `[speculator] model`."""
 
+    sees_steps_without_drafts = False  # its draft cache catches up lazily, when drafting resumes
+
     def __init__(self, options: Mapping[str, Any], context: SpeculatorContext) -> None:
         super().__init__(options, context)
         config = read_draft_config(context)

@@ -176,6 +176,9 @@ class Eagle3Speculator(Speculator):
         # Per request, the position ranges [start, end) whose K/V the head skipped writing (steps with nothing to
         # propose for: see `propose`); attention masks them out until the positions are written again.
         self._gaps: dict[str, list[tuple[int, int]]] = {}
+        # Per request skipped since: (the first position not written, its num_preemptions then). The gap stays open
+        # (it grows with every skipped step, at no cost per step) until a step writes the request's rows again.
+        self._open: dict[str, tuple[int, int]] = {}
         self.native = self._native_kernel(self.options.get("native_draft"),
                                           self.options.get("native_draft_weights", "int8"))
 
@@ -240,17 +243,17 @@ class Eagle3Speculator(Speculator):
         if missing:
             raise ValueError(f"eagle3 needs the target's hidden states entering layers {missing}, and the step "
                              "carries none")
-        kept = self._kept(inputs)
-        if not kept:
-            return [None] * len(inputs.propose_for)
         if not inputs.propose_for:
             # Nothing to draft for (the batch is past speculation's max_batch_size, or drafts do not pay at this
             # batch size): catching up would cost a pass of the head over the whole batch every step, for drafts
             # nobody asked for. Remember what was skipped instead; later drafts attend around it.
-            self._skip(inputs, kept)
+            self._skip(inputs)
             return []
+        kept = self._kept(inputs)
+        if not kept:
+            return [None] * len(inputs.propose_for)
         for e in kept:  # positions from the first kept one on are written now (or again later): no longer gaps
-            self._trim(inputs.batch[e.index].request_id, e.last_position - e.count + 1)
+            self._close(inputs.batch[e.index].request_id, e.last_position - e.count + 1)
         by_index = {e.index: e for e in kept}
         chosen = [by_index.get(i) for i in inputs.propose_for]
         if any(e is None for e in chosen):
@@ -285,17 +288,32 @@ class Eagle3Speculator(Speculator):
 
     def release(self, request_id: str) -> None:
         self._gaps.pop(request_id, None)
+        self._open.pop(request_id, None)
 
-    def _skip(self, inputs: SpeculatorInputs, kept: list[_Kept]) -> None:
-        for e in kept:
-            rid = inputs.batch[e.index].request_id
-            first = e.last_position - e.count + 1
-            self._trim(rid, first)
-            gaps = self._gaps.setdefault(rid, [])
-            if gaps and gaps[-1][1] == first:
-                gaps[-1] = (gaps[-1][0], e.last_position + 1)
-            else:
-                gaps.append((first, e.last_position + 1))
+    def _skip(self, inputs: SpeculatorInputs) -> None:
+        """A step whose rows the head does not write: open a gap for each request not already skipping (a dict
+        lookup for the others: this runs every step drafts do not pay, at any batch size)."""
+        for i, req in enumerate(inputs.batch):
+            if inputs.num_kept[i] <= 0 or req.status.finished:  # a finished one is released, or was already
+                continue
+            skipping = self._open.get(req.request_id)
+            if skipping is not None and skipping[1] == req.num_preemptions:
+                continue  # its open gap grows to this step's rows
+            first = int(inputs.positions[inputs.query_start_loc[i]])
+            self._trim(req.request_id, first)  # a preempted request's rows from `first` on are computed again
+            self._open[req.request_id] = (first, req.num_preemptions)
+
+    def _close(self, request_id: str, first: int) -> None:
+        """Rows from `first` on are written this step: the open gap (if any) ends there, later gaps are void."""
+        skipping = self._open.pop(request_id, None)
+        self._trim(request_id, first)
+        if skipping is None or skipping[0] >= first:
+            return
+        gaps = self._gaps.setdefault(request_id, [])
+        if gaps and gaps[-1][1] == skipping[0]:
+            gaps[-1] = (gaps[-1][0], first)
+        else:
+            gaps.append((skipping[0], first))
 
     def _trim(self, request_id: str, first: int) -> None:
         """Forget skipped positions from `first` on (they are being written, or will be before they are read)."""

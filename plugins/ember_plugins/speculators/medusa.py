@@ -166,6 +166,7 @@ class MedusaSpeculator(Speculator):
     """Option `tree` (module docstring): top-k tokens per head as a tree of drafts; without it, a chain of top-1s."""
 
     uses_hidden_states = True
+    sees_steps_without_drafts = False  # it reads only the steps it drafts for
 
     def __init__(self, options: Mapping[str, Any], context: SpeculatorContext) -> None:
         super().__init__(options, context)

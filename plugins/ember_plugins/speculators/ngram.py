@@ -49,6 +49,9 @@ class NgramSpeculator(Speculator):
     first; `adaptive` (default true): propose, per request, about one token more than it has recently
     been accepting, rather than always k."""
 
+    # Between drafts it needs nothing: each request's n-gram index catches up from the request's tokens.
+    sees_steps_without_drafts = False
+
     def __init__(self, options: Mapping[str, Any], context: SpeculatorContext) -> None:
         super().__init__(options, context)
         self.min_ngram = int(self.options.get("min_ngram", 2))

@@ -106,6 +106,37 @@ def test_top_k_top_p_min_p_each_remove_tokens() -> None:
     assert kept[0] == 5 and 1 <= kept[1] < V and 1 <= kept[2] < V and kept[3] == V
 
 
+@pytest.mark.parametrize("scale", [8.0, 0.5, 0.02])  # peaked, flat, nearly uniform: nuclei of ~1 to ~4000 tokens
+def test_top_p_matches_the_reference_however_wide_the_nucleus(scale: float) -> None:
+    # The nucleus is looked for among a row's largest values, more of them where it is wider (sampler.py's
+    # NUCLEUS_CANDIDATES, then x8): in a 4096-token vocabulary these rows need one, two or all three rounds.
+    vocab = 4096
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * scale
+    logits = logits.float()
+    params = [SamplingParams(top_p=0.95), SamplingParams(temperature=0.8, top_p=0.5), SamplingParams(top_p=0.999),
+              SamplingParams(top_k=300, top_p=0.9), SamplingParams(), SamplingParams(temperature=0)]
+    probs = Sampler().probs(logits, SamplingBatch.build(params, vocab_size=vocab))
+    for row, p in enumerate(params):
+        torch.testing.assert_close(probs[row].double(), reference_probs(logits[row], p), atol=1e-6, rtol=0,
+                                   msg=f"row {row}: {p}")
+    # alone or in a batch, a row is cut the same
+    alone = Sampler().probs(logits[1:2], SamplingBatch.build(params[1:2], vocab_size=vocab))
+    assert torch.equal(alone[0], probs[1])
+
+
+def test_tokens_tied_with_the_last_one_in_the_nucleus_all_stay() -> None:
+    # 0.4, then three tokens of 0.1 each, then the rest: top_p 0.45 needs one of the three ties. Which one a sort
+    # would keep depends on how it visits ties; the threshold keeps all three, as it does top-k's ties.
+    logits = torch.full((1, V), -30.0)
+    logits[0, :4] = torch.tensor([0.4, 0.1, 0.1, 0.1]).log()
+    logits[0, 4:8] = torch.tensor(0.075).log()
+    batch = SamplingBatch.build([SamplingParams(top_p=0.45)], vocab_size=V)
+    kept = (Sampler().probs(logits, batch)[0] > 0).nonzero().squeeze(1).tolist()
+    assert kept == [0, 1, 2, 3]
+    tied_k = SamplingBatch.build([SamplingParams(top_k=2)], vocab_size=V)
+    assert (Sampler().probs(logits, tied_k)[0] > 0).nonzero().squeeze(1).tolist() == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_any_float_dtype_is_processed_in_float32(dtype: torch.dtype) -> None:
     logits = random_logits(len(MIXED), seed=3).to(dtype)

@@ -4,6 +4,7 @@ bound by compute, or drafts rejected), and the engine really runs with the choic
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Callable
@@ -12,7 +13,14 @@ from pathlib import Path
 import pytest
 
 from ember_platform import LLM, SamplingParams
-from ember_platform.engine.spec_length import MAX_PROBE_EVERY, PROBE_EVERY, PROBE_REQUESTS, WARMUP_STEPS, SpeculationLength, StepCost
+from ember_platform.engine.spec_length import (
+    MAX_PROBE_EVERY,
+    PROBE_EVERY,
+    PROBE_REQUESTS,
+    WARMUP_STEPS,
+    SpeculationLength,
+    StepCost,
+)
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny-llama"
 
@@ -79,7 +87,7 @@ def test_warm_up_and_probes_draft_the_full_length_to_keep_measuring() -> None:
 def test_probes_back_off_while_they_find_drafts_do_not_pay_and_return_when_the_batch_shrinks() -> None:
     bad = trained(lambda tokens: 0.0005 * tokens, acceptance=0.0, batch=8)
     probes = [i for i in range(40 * PROBE_EVERY) if bad.choose(8) == 4]
-    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
     # every probe found nothing pays: each interval twice the one before, up to the ceiling
     assert gaps[:4] == [2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY, MAX_PROBE_EVERY]
     assert set(gaps[3:]) == {MAX_PROBE_EVERY}
