@@ -6,13 +6,13 @@
 Prompts are the starts of the standard-library files the example model never trained on (its held-out split,
 listed in examples/tiny-llama/training.json), so learned drafters (Medusa) are not measured on text they saw.
 For each batch size, each method and "none" run the same prompts with greedy decoding of --max-tokens tokens, EOS
-ignored, interleaved repeats. Batch 1: each prompt alone; decode tokens/s is the tokens after each request's first
-over the time from its first token to its last, summed. Batch B: B requests kept in flight (a new one submitted as
-one finishes) over 3B requests, every engine serving its own copy of the queue in lockstep (each takes one step in
-turn, so that the load of the machine's other processes falls on all of them alike, step by step, instead of on
-whichever ran during a busy spell: on a shared 2-core machine whole-run repeats of the same engine differed by up to
-30%, lockstep runs of two identical engines by under 1%); tokens/s are the tokens after each request's first over
-the engine's own step time from its first token on.
+ignored, repeats. Every engine serves its own copy of the queue in lockstep: each takes one step in turn, so that
+the load of the machine's other processes falls on all of them alike, step by step, instead of on whichever ran
+during a busy spell (on a shared 2-core machine whole-run repeats of the same engine differed by up to 30%,
+lockstep runs of two identical engines by under 1%). Batch 1: each prompt alone, one after the other; decode
+tokens/s is the tokens after each request's first over the engine's own decode steps. Batch B: B requests kept in
+flight (a new one submitted as one finishes) over 3B requests; tokens/s are the tokens after each request's first
+over the engine's own step time from its first token on.
 Ratios are median rate with the method over median rate without. The methods run with their draft length chosen
 adaptively (the engine default: drafts only where measured acceptance and step cost say they pay), so at large
 batch a method should fall back to ~1.0x rather than below it; greedy outputs are compared with "none".
@@ -43,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import emit, environment, greedy, interleaved, median, parse_args, print_table, run_engine
+from common import emit, environment, greedy, median, parse_args, print_table, run_engine
 
 HEAD_DIRS = {"medusa": "speculator/medusa", "medusa-tree": "speculator/medusa", "eagle3": "speculator/eagle3",
              "eagle3-tree": "speculator/eagle3", "draft": "speculator/draft"}
@@ -127,13 +127,6 @@ def main() -> None:
                 "drafts": drafts, "accepted": accepted, "verified": verified, "token_ids": ids,
                 "k": engine.spec.length.k if engine.spec is not None else 0}
 
-    def measure_alone(engine: Any) -> dict[str, Any]:
-        """Batch 1: each prompt alone."""
-        before, cpu = counters(engine), time.process_time()
-        timings = [run_engine(engine, [prompt], params)[0] for prompt in prompts]
-        return result(engine, before, sum(t.num_tokens - 1 for t in timings), sum(t.total - t.ttft for t in timings),
-                      time.process_time() - cpu, [t.token_ids for t in timings], sum(t.num_steps for t in timings))
-
     def lockstep(queue: list[list[int]], size: int, each: list[Any] | None = None) -> dict[str, dict[str, Any]]:
         """Every engine serves `queue` with `size` requests in flight (a new one added as one finishes: a closed
         batch would be timed by its slowest request, the one drafts help least), one step each in turn. Timed by
@@ -157,7 +150,8 @@ def main() -> None:
                 wall, cpu = time.perf_counter(), time.process_time()
                 outs = engine.step()
                 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-                if st["started"]:  # from the first token on
+                first = any(out.new_token_ids and not st["outputs"][out.request_id] for out in outs)
+                if st["started"] and not (size == 1 and first):  # from the first token on; alone, decode steps only
                     st["seconds"] += wall
                 st["cpu"] += cpu
                 for out in outs:
@@ -193,12 +187,8 @@ def main() -> None:
 
     rows, record = [], {}
     for size in batches:
-        if size == 1:
-            runs = interleaved({name: (lambda e=engine: measure_alone(e)) for name, engine in engines.items()},
-                               args.repeats)
-        else:
-            queue = [prompts[i % len(prompts)] for i in range(3 * size)]
-            runs = repeated(lambda q=queue, b=size: lockstep(q, b))
+        queue = prompts if size == 1 else [prompts[i % len(prompts)] for i in range(3 * size)]
+        runs = repeated(lambda q=queue, b=size: lockstep(q, b))
         base = median(r["rate"] for r in runs["none"])
         cpu_base = median(r["cpu_rate"] for r in runs["none"])
         for name, results in runs.items():
