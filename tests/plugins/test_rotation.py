@@ -22,6 +22,7 @@ from ember_plugins.quantization.mixed import outlier_stats
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama" / "weights"
 IDS = list(range(100, 160))
+ALL_SITES = {"sites": "all"}  # every rotation QuaRot folds (the default, "calibrated", may keep fewer)
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
@@ -50,7 +51,7 @@ def test_a_power_of_two_size_is_a_signed_hadamard_matrix() -> None:
 def test_the_rotated_full_precision_model_computes_the_same_logits() -> None:
     full = LLM(EXAMPLE)
     expected = logits(full.engine.model)
-    rotated = LLM(EXAMPLE, quantization="rotation")
+    rotated = LLM(EXAMPLE, quantization="rotation", quantization_options=ALL_SITES)
     model = rotated.engine.model
     got = logits(model)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
@@ -87,7 +88,7 @@ def test_rotation_spreads_the_activation_outliers_the_quantizer_sees() -> None:
     text, _ = calibration_text(None)
     tokenizer = Tokenizer.from_dir(EXAMPLE)
     plain = CalibrationContext(LLM(EXAMPLE).engine.model, tokenizer, text, Path()).capture()
-    rotated_model = LLM(EXAMPLE, quantization="rotation").engine.model
+    rotated_model = LLM(EXAMPLE, quantization="rotation", quantization_options=ALL_SITES).engine.model
     rotated = CalibrationContext(rotated_model, tokenizer, text, Path()).capture()
     for i in range(4):
         for name in (f"model.layers.{i}.mlp.down_proj", f"model.layers.{i}.self_attn.qkv_proj"):
@@ -105,7 +106,7 @@ def rotation_input(model: torch.nn.Module, name: str, x: torch.Tensor) -> torch.
 
 def test_rotation_then_int8_stores_the_rotated_weights() -> None:
     expected = logits(LLM(EXAMPLE).engine.model)
-    llm = LLM(EXAMPLE, quantization=["rotation", "int8"])
+    llm = LLM(EXAMPLE, quantization=["rotation", "int8"], quantization_options={"rotation": ALL_SITES})
     assert llm.engine.selections["quantization"].name == "rotation+int8"
     model = llm.engine.model
     down = model.model.layers[1].mlp.down_proj
@@ -115,15 +116,15 @@ def test_rotation_then_int8_stores_the_rotated_weights() -> None:
     got = logits(model)
     assert (got - expected).abs().max() < 0.3  # int8's own error, on a rotated model
     # Restored from the quantized-weight cache (rotated norms and embeddings included), the same numbers.
-    again = LLM(EXAMPLE, quantization=["rotation", "int8"])
+    again = LLM(EXAMPLE, quantization=["rotation", "int8"], quantization_options={"rotation": ALL_SITES})
     assert again.engine.quantized_from_cache
     torch.testing.assert_close(logits(again.engine.model), got, rtol=0, atol=1e-5)
 
 
 def test_rotation_then_int4() -> None:
     expected = logits(LLM(EXAMPLE).engine.model)
-    model = LLM(EXAMPLE, quantization=["rotation", "int4"], quantization_options={"int4": {"group_size": 32}}
-                ).engine.model
+    model = LLM(EXAMPLE, quantization=["rotation", "int4"],
+                quantization_options={"rotation": ALL_SITES, "int4": {"group_size": 32}}).engine.model
     down = model.model.layers[0].mlp.down_proj
     assert isinstance(down.method, rotation.OnlineRotationMethod) and isinstance(down.method.inner, Int4Method)
     assert (logits(model) - expected).abs().max() < 1.0
@@ -157,8 +158,8 @@ def test_options_are_checked_and_kv_rotation_is_refused() -> None:
         LLM(EXAMPLE, quantization="rotation", quantization_options={"seed": -1})
     with pytest.raises(ValueError, match=r"quantization.options.online = 'yes': true or false"):
         LLM(EXAMPLE, quantization="rotation", quantization_options={"online": "yes"})
-    with pytest.raises(ValueError, match=r"quantization.options.sites = 'some': \"all\" \(every rotation QuaRot "
-                                         r"folds\) or \"calibrated\""):
+    with pytest.raises(ValueError, match=r"quantization.options.sites = 'some': \"calibrated\" \(each rotation kept "
+                                         r"where .*, the default\) or \"all\" \(every rotation QuaRot folds\)"):
         LLM(EXAMPLE, quantization="rotation", quantization_options={"sites": "some"})
     with pytest.raises(ValueError, match=r"options.rotation.angle: not supported by quantization 'rotation'"):
         LLM(EXAMPLE, quantization=["rotation", "int8"], quantization_options={"rotation": {"angle": 1}})
@@ -183,11 +184,12 @@ def test_rotation_then_gptq_calibrates_every_linear_down_proj_included() -> None
     (`OnlineRotationMethod.calibration_input`); a Hessian of x would fit the weights to the wrong inputs."""
     text, _ = calibration_text(None)
     ids = Tokenizer.from_dir(EXAMPLE).encode(text, add_special_tokens=False)[:256]
-    options = {"gptq": {"num_samples": 4, "seq_len": 128, "group_size": 64}}
+    options = {"rotation": ALL_SITES, "gptq": {"num_samples": 4, "seq_len": 128, "group_size": 64}}
     gptq = LLM(EXAMPLE, quantization=["rotation", "gptq"], quantization_options=options).engine.model
-    rtn = LLM(EXAMPLE, quantization=["rotation", "int4"], quantization_options={"int4": {"group_size": 64}}
-              ).engine.model
-    dense = LLM(EXAMPLE, quantization="rotation").engine.model  # the same rotated weights, unquantized
+    rtn = LLM(EXAMPLE, quantization=["rotation", "int4"],
+              quantization_options={"rotation": ALL_SITES, "int4": {"group_size": 64}}).engine.model
+    # The same rotated weights, unquantized.
+    dense = LLM(EXAMPLE, quantization="rotation", quantization_options=ALL_SITES).engine.model
     for i in range(4):
         down = gptq.model.layers[i].mlp.down_proj
         assert isinstance(down.method, rotation.OnlineRotationMethod), down.method
@@ -232,7 +234,7 @@ def test_lora_adapters_are_refused_with_rotation(tmp_path: Path) -> None:
 
 
 def test_candidates_choose_the_seed_whose_int4_model_is_closest_on_calibration_text() -> None:
-    options = {"rotation": {"seed": 5, "candidates": 3}, "int4": {"group_size": 64}}
+    options = {"rotation": {"seed": 5, "candidates": 3, **ALL_SITES}, "int4": {"group_size": 64}}
     llm = LLM(EXAMPLE, quantization=["rotation", "int4"], quantization_options=options)
     state = _saved_rotation_state(llm)
     kl = {int(seed): value for seed, value in state["search_kl"].items()}
@@ -241,7 +243,7 @@ def test_candidates_choose_the_seed_whose_int4_model_is_closest_on_calibration_t
     assert state["seed"] == best
     # The searched model is exactly the chosen seed's: nothing left over from the candidates tried before it.
     chosen = LLM(EXAMPLE, quantization=["rotation", "int4"],
-                 quantization_options={"rotation": {"seed": best}, "int4": {"group_size": 64}})
+                 quantization_options={"rotation": {"seed": best, **ALL_SITES}, "int4": {"group_size": 64}})
     torch.testing.assert_close(logits(llm.engine.model), logits(chosen.engine.model), rtol=0, atol=1e-5)
     # Restored from the quantized-weight cache: the saved seed's online rotation, the same numbers.
     options = {"rotation": {"seed": 5, "candidates": 3}}
@@ -316,3 +318,22 @@ def test_calibrated_sites_keep_each_rotation_only_where_it_quantizes_better(tmp_
     again = LLM(EXAMPLE, quantization=["rotation", "int4"], quantization_options=options)
     assert again.engine.quantized_from_cache and again.engine.quantization_states["rotation"] == state
     torch.testing.assert_close(logits(again.engine.model), logits(model), rtol=0, atol=0)
+
+
+def test_the_default_sites_are_calibrated_and_all_stays_available() -> None:
+    """With no options the rotations are chosen on calibration text (`sites = "calibrated"`: what beats plain
+    round-to-nearest int4 on the example model), and `sites = "all"` still folds every one, as QuaRot."""
+    from ember_plugins.quantization.options import check_rotation
+
+    assert check_rotation({})["sites"] == "calibrated" and check_rotation(ALL_SITES)["sites"] == "all"
+    default = LLM(EXAMPLE, quantization=["rotation", "int4"])
+    state = default.engine.quantization_states["rotation"]
+    assert state["sites"] == "calibrated" and set(state["search_kl"]) == {"0", "0 no residual"}, state
+    kl = state["search_kl"]
+    assert state["site_errors"] and state["residual"] == (kl["0"] <= kl["0 no residual"])
+    every = LLM(EXAMPLE, quantization=["rotation", "int4"], quantization_options={"rotation": ALL_SITES})
+    state = every.engine.quantization_states["rotation"]
+    assert state["sites"] == "all" and state["residual"] and not state["site_errors"], state
+    model = every.engine.model
+    assert torch.equal(model.model.layers[0].input_layernorm.weight, torch.ones(256))  # the norms folded
+    assert all(model.model.layers[i].mlp.down_proj.method.rotation is not None for i in range(4))

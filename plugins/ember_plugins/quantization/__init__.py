@@ -36,7 +36,9 @@ def ember_quantizers(register) -> None:
     register("rotation", "ember_plugins.quantization.rotation:RotationQuantizer",
              summary="QuaRot-style random Hadamard rotations folded into the full-precision weights (norms "
                      "absorbed, an online Hadamard before down_proj), so that the method after it quantizes "
-                     "without outlier channels; comes first: [\"rotation\", \"int8\"]",
+                     "without outlier channels; by default (sites = \"calibrated\") each rotation is kept only "
+                     "where it makes the weights quantize better on calibration text (sites = \"all\": every "
+                     "one, as QuaRot); comes first: [\"rotation\", \"int8\"]",
              options=("seed", "online", "kv_rotation", "candidates", "search_group_size", "sites"),
              check="ember_plugins.quantization.options:check_rotation")
     register("mixed", "ember_plugins.quantization.mixed:MixedQuantizer",

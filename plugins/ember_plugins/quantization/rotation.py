@@ -12,10 +12,13 @@ The model's function is unchanged (in exact arithmetic; float32 logits within ~1
 * the MLP's intermediate activations (after SiLU(gate) * up, not a linear map) are rotated online: down_proj's
   weight gets W R and its input x R, applied in down_proj's forward by `OnlineRotationMethod`.
 
-`sites = "calibrated"` keeps each of these rotations only where it makes the weights quantize better on
-calibration text (`calibrate`): on the example model (no outlier channels in the residual stream; RMSNorm scales
-folded into the weights hurt their int4 groups) that leaves only the online rotation of down_proj, whose inputs
-have kurtosis 50-170, and is the configuration that beats plain round-to-nearest int4 (bench/eval_quantization.py).
+Which of them are folded is `sites`. The default, `"calibrated"`, keeps each rotation only where it makes the
+weights quantize better on calibration text (`calibrate`, so the default needs calibration text): on the example
+model (no outlier channels in the residual stream; RMSNorm scales folded into the weights hurt their int4 groups)
+that leaves only the online rotation of down_proj, whose inputs have kurtosis 50-170, and it is what beats plain
+round-to-nearest int4 there (held-out perplexity, bench/eval_quantization.py: g128 52.2795 vs 52.3085, g64
+52.2984 vs 52.3057). `"all"` folds every one, QuaRot as published (g64 52.3167 there: worse than no rotation), for
+models whose residual stream has the outlier channels QuaRot was made for.
 
 See `hadamard.py` for the matrices (sizes with an odd factor included). Limits, refused rather than ignored:
 tied embeddings (the LM head would need E diag(g) Q while the embeddings need E Q), a sharded model (the folds
@@ -132,9 +135,9 @@ class RotationQuantizer(Quantizer):
     input basis); `kv_rotation` (false only: rotating q/k per head after RoPE is not implemented); `candidates`
     (default 1: that seed; n > 1: seeds seed..seed+n-1 are tried on calibration text and the one whose int4-rounded
     model is closest to full precision is kept, see `calibrate`; the choice is the technique's saved state);
-    `search_group_size` (32, 64 or 128, default 128: the int4 groups that choice rounds in); `sites` ("all",
-    default: every rotation QuaRot folds; "calibrated": each one kept only where it makes the weights quantize
-    better on calibration text, see `calibrate`)."""
+    `search_group_size` (32, 64 or 128, default 128: the int4 groups that choice rounds in); `sites`
+    ("calibrated", default: each rotation kept only where it makes the weights quantize better on calibration
+    text, see `calibrate`; "all": every rotation QuaRot folds)."""
 
     transforms_model = True
     lora_refusal = ("not supported yet: the rotation rewrites the weights in a rotated basis (norms folded, W Q, "
@@ -146,7 +149,7 @@ class RotationQuantizer(Quantizer):
         self.seed = 0
         self.online = True
         self.candidates, self.search_group_size = 1, 128
-        self.sites = "all"
+        self.sites = "calibrated"  # options.check_rotation's default; set from the options in `prepare`
         # What `sites = "calibrated"` kept (all of them otherwise): the residual stream's rotation (with the norm
         # folds), the value heads' rotation of each attention block (by its qkv layer), each online rotation.
         self.residual = True
