@@ -53,14 +53,17 @@ METHODS: list[tuple[str, Any, dict[str, Any]]] = [
                                              "seq_len": 256}),
     ("gptq int8", "gptq", {"bits": 8, "group_size": -1, "num_samples": 64, "seq_len": 256}),
     ("fp8", "fp8", {}),
-    ("rotation+int4", ["rotation", "int4"], {}),  # int4's default groups: 128
+    # rotation's default sites = "calibrated": each rotation kept only where it makes the weights quantize better on
+    # calibration text (rotation.calibrate); "all": every rotation QuaRot folds.
+    ("rotation+int4 (default: calibrated sites)", ["rotation", "int4"], {}),  # int4's default groups: 128
+    ("rotation+int4 g64 (default: calibrated sites)", ["rotation", "int4"],
+     {"rotation": {"search_group_size": 64}, "int4": {"group_size": 64}}),
+    ("rotation+int4 g128 (all sites)", ["rotation", "int4"], {"rotation": {"sites": "all"}}),
+    ("rotation+int4 g64 (all sites)", ["rotation", "int4"],
+     {"rotation": {"sites": "all", "search_group_size": 64}, "int4": {"group_size": 64}}),
     ("rotation+int4 (8 seeds)", ["rotation", "int4"], {"rotation": {"candidates": 8}}),
     ("rotation+int4 g64 (8 seeds)", ["rotation", "int4"], {"rotation": {"candidates": 8, "search_group_size": 64},
                                                            "int4": {"group_size": 64}}),
-    # Each rotation kept only where it makes the weights quantize better on calibration text (rotation.calibrate).
-    ("rotation+int4 g64 (calibrated sites)", ["rotation", "int4"],
-     {"rotation": {"sites": "calibrated", "search_group_size": 64}, "int4": {"group_size": 64}}),
-    ("rotation+int4 g128 (calibrated sites)", ["rotation", "int4"], {"rotation": {"sites": "calibrated"}}),
     ("rotation+gptq", ["rotation", "gptq"], {"gptq": {"num_samples": 64, "seq_len": 256}}),
     ("mixed", "mixed", {}),
     # At the bits of a uniform int4 row (4 + 40 / group: a float32 scale and a uint8 zero per group), to compare.
@@ -71,7 +74,7 @@ SPEED_BATCHES = (1, 8, 32)
 # Decode speed depends on the layers' storage, not on how the weights were chosen: one row per kind of layer, and
 # gptq calibrated on little text there (its quality is measured on the example model above).
 SPEED_ROWS = {"int8": {}, "int4 g128 (rtn)": {}, "gptq int4 g128": {"num_samples": 8, "seq_len": 256}, "fp8": {},
-              "rotation+int4": {}, "mixed": {}}
+              "rotation+int4 (default: calibrated sites)": {}, "mixed": {}}
 
 
 def load_example_script() -> Any:
@@ -173,7 +176,9 @@ def main() -> None:
     parser.add_argument("--only", action="append", default=[], metavar="LABEL",
                         help="run only the rows whose label contains LABEL (repeatable; default: every row)")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    # 2 threads unless OMP_NUM_THREADS says otherwise: on a CPU shared with other jobs, 2 spinning OpenMP threads
+    # can run many times slower than 1 (a mixed calibration took over 30 minutes instead of about 4).
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 2))
     from tokenizers import Tokenizer
 
     from ember_platform import LLM, SamplingParams
@@ -262,7 +267,7 @@ def main() -> None:
     print(f"held-out: {len(windows)} windows x {SEQ_LEN} tokens; greedy agreement: {len(prompts)} prompts x "
           f"{AGREEMENT_TOKENS} tokens; gate: ppl <= dense + {args.threshold}%; decode tok/s at batch "
           f"{'/'.join(map(str, SPEED_BATCHES))} on {LARGE.name} (loaded shared CPU: indicative)")
-    print(f"{'method':30} {'ppl':>9} {'vs dense':>9} {'KL':>9} {'agree':>6} {'gate':>5}  {'tok/s':>20}  status")
+    print(f"{'method':46} {'ppl':>9} {'vs dense':>9} {'KL':>9} {'agree':>6} {'gate':>5}  {'tok/s':>20}  status")
     for row in rows:
         ppl = f"{row['ppl']:9.4f}" if "ppl" in row else f"{'-':>9}"
         kl = f"{row['kl']:9.6f}" if row.get("kl") is not None else f"{'-':>9}"
@@ -270,14 +275,14 @@ def main() -> None:
         agree = f"{row['agreement']:6.3f}" if "ppl" in row else f"{'-':>6}"
         tps = row["tokens_per_s"]
         tps_text = "/".join(str(v) for v in tps.values()) if isinstance(tps, dict) else str(tps or "-")
-        print(f"{row['method']:30} {ppl} {vs} {kl} {agree} {row.get('gate', '-'):>5}  {tps_text:>20}  {row['status']}")
+        print(f"{row['method']:46} {ppl} {vs} {kl} {agree} {row.get('gate', '-'):>5}  {tps_text:>20}  {row['status']}")
     dense_speed = speed.get("dense")
     if isinstance(dense_speed, dict):
         print(f"decode tokens/s on {LARGE.name} at batch {', '.join(map(str, SPEED_BATCHES))} (x dense):")
         for label, tps in speed.items():
             ratios = (" ".join(f"{tps[b]:8.1f} ({tps[b] / dense_speed[b]:.2f}x)" for b in SPEED_BATCHES)
                       if isinstance(tps, dict) else str(tps))
-            print(f"  {label:30} {ratios}")
+            print(f"  {label:46} {ratios}")
     record = {"bench": "eval_quantization", "threshold_pct": args.threshold, "windows": len(windows),
               "dense_ppl": round(dense_ppl, 4), "rows": rows, "speed": speed}
     out = ROOT / "bench" / "results"

@@ -150,15 +150,21 @@ def print_quantization_plans(package_dir: Path, weights: str, selection: Any) ->
         if not isinstance(layers, dict):  # a decision without layers (rotation's seed, chosen or given)
             console.print(f"quantization '{name}' ({path}): {json.dumps(plan, sort_keys=True)}", markup=False)
             continue
-        chosen = f"; the {plan['plan']} plan, calibration KL {plan.get('plan_kl')}" if plan.get("plan") else ""
+        # Plans made before the choice was by calibration loss have only plan_kl.
+        scores = "".join(f", {label} {plan[key]}" for key, label in (("plan_loss_increase", "calibration loss "
+                                                                      "increase"), ("plan_kl", "calibration KL"))
+                         if key in plan)
+        chosen = f"; the {plan['plan']} plan{scores}" if plan.get("plan") else ""
         title = (f"quantization plan of '{name}' ({path}): {plan.get('achieved_bits')} bits per weight on average "
                  f"(budget {plan.get('average_bits')}{chosen})")
         table = Table(title=title, caption=str(plan.get("rule", "")))
-        for column in ("layer", "precision", "bits", "sensitivity", "input max/mean", "kurtosis"):
+        for column in ("layer", "precision", "bits", "sensitivity (KL)", "loss increase", "input max/mean",
+                       "kurtosis"):
             table.add_column(column)
         for layer, entry in layers.items():
-            sens = entry.get("sensitivity", {})
+            sens, loss = entry.get("sensitivity", {}), entry.get("loss_increase", {})
             table.add_row(layer, str(entry.get("precision")), str(entry.get("bits")),
                           ", ".join(f"{k} {v:.2e}" for k, v in sens.items() if k != "dense"),
+                          ", ".join(f"{k} {v:.2e}" for k, v in loss.items() if k != "dense") or "-",
                           str(entry.get("input_outlier_ratio")), str(entry.get("input_kurtosis")))
         console.print(table)

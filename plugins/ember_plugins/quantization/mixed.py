@@ -2,18 +2,26 @@
 under a size budget (`average_bits` over the layers it covers), so that the layers whose quantization costs the
 most loss keep more bits.
 
-The plan, made in `calibrate` before any layer is finalized:
+The plan, made in `calibrate` before any layer is finalized, on calibration text only:
 
 1. Measure each covered layer on the calibration text: its input's outlier statistics (max over input channels of
-   max |x|, divided by their mean; kurtosis of the inputs), and its sensitivity: the increase of the model's
-   calibration loss when that layer alone is rounded to int4 (round to nearest, as `int4` stores it), and to int8.
-2. Candidate plans within the budget: the greedy one (start with every layer at int4 in the largest groups, then
-   repeatedly make the upgrade with the largest loss saved per extra bit that still fits, until none does; ties
-   by layer name), the one of least total sensitivity (`knapsack_plan`, exact: it may also give a layer fewer
-   bits so another gets more), and every uniform int4 that fits.
+   max |x|, divided by their mean; kurtosis of the inputs), and its sensitivity to each rung of the ladder (int4
+   in every group size up to `group_size`, round to nearest as `int4` stores it; int8), with that layer alone
+   rounded: the KL divergence of the calibration logits from full precision (second order, steady) and the
+   increase of the calibration cross-entropy (what perplexity measures: its first-order part is the direction
+   of the rounding against the loss's gradient, which KL cannot see).
+2. Candidate plans within the budget, for each of the two sensitivities: the greedy one (every layer at int4 in
+   the largest groups, then repeatedly the upgrade with the largest sensitivity saved per extra bit that still
+   fits, ties by layer name) and the one of least total sensitivity (`knapsack_plan`, exact: it may also give a
+   layer fewer bits so another gets more); and every uniform int4 that fits.
 3. Each candidate is measured whole (every covered layer rounded as planned at once, so interactions count): the
-   one with the lowest KL of the calibration logits from full precision is the plan (ties: the order above), so
-   the plan is never measurably worse on calibration text than the uniform int4 of the same bits.
+   one with the lowest calibration cross-entropy is the plan (ties: the order above), so the plan is never
+   measurably worse on calibration text, in the perplexity's own measure, than the uniform int4 of the same bits.
+   Choosing by KL instead (what this did before, on 2048 tokens) kept plans whose KL was lower but whose
+   perplexity was not. Example model, held-out perplexity (bench/eval_quantization.py, all 172 windows): at int4
+   g64's bits 52.2672 (by KL: 52.3107; int4 g64 52.3057); at int4 g32's 52.2487 (by KL: 52.2667; int4 g32 52.2346,
+   still below: its rounding happens to lower the held-out loss by ~0.0016 nats more than its KL, which the
+   calibration text does not show).
 
 Bits per weight count what the layers store: int4 4 + 40 / group (a float32 scale and a uint8 zero point per
 group, `Int4Weights`), int8 8 + 32 / inputs (a float32 scale per output), dense the model dtype's bits. Layers in
@@ -23,8 +31,11 @@ printed by `ember explain`; a later start restores it (`restore_state`) and load
 tensors through its precision's method (`restored_method`), without calibrating or quantizing.
 
 Sensitivities are measured one layer at a time (interactions ignored there, as HAWQ / Baseten-style layer
-selection does; step 3 measures them): a pass of the first 2048 calibration tokens per covered layer and int4 or
-int8 precision, and one per candidate plan.
+selection does; step 3 measures them): a pass of the first `SENSITIVITY_TOKENS` (16384) calibration tokens per
+covered layer and rung, and one per candidate plan. That many because the first-order part is a mean over tokens
+whose per-token spread is far larger than the 1e-4 nats plans differ by: on 2048 tokens the estimate chose worse
+plans. It costs about 70 passes of 16384 tokens: on the example model about 5 minutes on one CPU thread of a
+loaded machine (17 s with 2048 tokens), once per model, the plan then restored from the quantized-weight cache.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from collections.abc import Hashable, Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ember_platform.api import (
@@ -57,13 +69,14 @@ from ember_plugins.quantization.int4 import (
 from ember_plugins.quantization.int8 import Int8LinearMethod, quantize_per_channel
 from ember_plugins.quantization.options import check_mixed, checked
 
-SENSITIVITY_TOKENS = 2048  # calibration tokens sensitivities and plans are measured on, in sequences of ...
+SENSITIVITY_TOKENS = 16384  # calibration tokens sensitivities and plans are measured on, in sequences of ...
 SEQUENCE = 256
+SENSITIVITIES = {"kl": "KL", "loss": "loss increase"}  # measured key -> the name candidates built on it carry
 RULE = ("within average_bits per weight: of the greedy plan (every covered layer int4 in the largest groups, then "
-        "the upgrade saving the most sensitivity per extra bit), the plan of least total sensitivity (exact "
-        "knapsack) and each uniform int4 that fits, the one whose whole quantized model has the lowest calibration "
-        "KL; sensitivity = KL divergence of the calibration logits from full precision with that layer alone "
-        "quantized")
+        "the upgrade saving the most sensitivity per extra bit) and the plan of least total sensitivity (exact "
+        "knapsack), each by KL and by loss increase, and each uniform int4 that fits, the one whose whole quantized "
+        "model has the lowest calibration cross-entropy; sensitivities of a layer alone quantized: KL divergence "
+        "of the calibration logits from full precision, and the calibration cross-entropy's increase")
 
 
 def precisions(group_size: int) -> tuple[str, ...]:
@@ -290,54 +303,64 @@ class MixedQuantizer(Quantizer):
     def calibrate(self, calibration: CalibrationContext) -> None:
         model = calibration.model
         inputs = calibration.capture(self.layers)
-        # Sensitivities on more text than the shared capture's (512 tokens): a layer's KL is ~1e-4 nats, and the
-        # plans compared below differ by less.
+        # Sensitivities on more text than the shared capture's (512 tokens): see the module docs.
         ids = calibration.tokenizer.encode(calibration.text, add_special_tokens=False)[:SENSITIVITY_TOKENS]
         sequences = [s for s in (ids[i:i + SEQUENCE] for i in range(0, len(ids), SEQUENCE)) if len(s) > 1]
         if not sequences:
             raise QuantizationError(f"quantization 'mixed': the calibration text ({calibration.source}) has no tokens")
+        targets = [torch.tensor(s[1:]) for s in sequences]
 
         def log_probs() -> list[torch.Tensor]:
             with torch.inference_mode():
                 return [torch.log_softmax(model.compute_logits(calibration.run(s)).float(), dim=-1) for s in sequences]
 
+        def cross_entropy(got: list[torch.Tensor]) -> float:
+            """Mean next-token cross-entropy (nats) over the calibration sequences: the perplexity's measure."""
+            total = sum(float(F.nll_loss(lp[:-1], t.to(lp.device), reduction="sum")) for lp, t in zip(got, targets,
+                                                                                                     strict=True))
+            return total / sum(len(t) for t in targets)
+
         reference = log_probs()
         tokens = sum(len(lp) for lp in reference)
+        base = cross_entropy(reference)
 
-        def divergence() -> float:
-            """Mean KL(full precision || now) per calibration token: always >= 0 and far less noisy than the
-            loss difference it bounds (a layer's rounding moves the loss by ~1e-4 nats either way)."""
-            total = 0.0
-            for ref, got in zip(reference, log_probs(), strict=True):
-                total += float(torch.nn.functional.kl_div(got, ref, log_target=True, reduction="sum"))
-            return total / tokens
+        def measure() -> dict[str, float]:
+            """The model as it computes now: mean KL(full precision || now) per calibration token (>= 0, steady)
+            and the increase of the calibration cross-entropy (what perplexity sees, noisier), from one pass."""
+            got = log_probs()
+            kl = sum(float(F.kl_div(g, r, log_target=True, reduction="sum")) for g, r in zip(got, reference,
+                                                                                            strict=True))
+            return {"kl": kl / tokens, "loss": cross_entropy(got) - base}
 
-        base = calibration.loss()
         measured: dict[str, dict[str, Any]] = {}
         for name in sorted(self.layers):
             layer = model.get_submodule(name)
             weight = layer.weight.data
             original = weight.clone()
-            loss = {"dense": 0.0}
+            kl, loss = {"dense": 0.0}, {"dense": 0.0}
             for precision in self.ladder[:-1]:
                 weight.copy_(self._fake_quantized(precision, original))
-                loss[precision] = divergence()
+                m = measure()
+                kl[precision], loss[precision] = m["kl"], m["loss"]
             weight.copy_(original)
             ratio, kurtosis = outlier_stats(inputs[name])
-            measured[name] = {**self.layers[name], "loss": loss, "outlier_ratio": ratio, "kurtosis": kurtosis}
-        # Candidate plans within the budget: the greedy climb, the least-total-sensitivity knapsack, and every
-        # uniform int4 that fits. Each is measured whole (all its layers rounded at once, so interactions count)
-        # by the KL of the calibration logits from full precision; the lowest is kept.
+            measured[name] = {**self.layers[name], "kl": kl, "loss": loss, "outlier_ratio": ratio,
+                              "kurtosis": kurtosis}
+        # Candidate plans within the budget (module docs, step 2), each measured whole (step 3).
         budget = float(self.average_bits)
         total = sum(m["params"] for m in measured.values())
-        candidates = {"greedy": plan_layers(measured, budget, self.ladder),
-                      "knapsack": knapsack_plan(measured, budget, self.ladder)}
+        candidates: dict[str, dict[str, str]] = {}
+        for key, label in SENSITIVITIES.items():
+            by = {name: {**m, "loss": m[key]} for name, m in measured.items()}  # what the planners minimize
+            suffix = "" if key == "kl" else f" by {label}"  # "greedy" and "knapsack": by KL, as plans saved before
+            candidates[f"greedy{suffix}"] = plan_layers(by, budget, self.ladder)
+            candidates[f"knapsack{suffix}"] = knapsack_plan(by, budget, self.ladder)
         for precision in self.ladder:
             if int4_group(precision) is not None and \
                     sum(m["params"] * m["bits"][precision] for m in measured.values()) <= budget * total + 1e-9:
                 candidates[f"uniform {precision}"] = {name: precision for name in measured}
         originals = {name: model.get_submodule(name).weight.data.clone() for name in measured}
-        scores: dict[str, float] = {}
+        scores: dict[str, dict[str, float]] = {}
         for label, plan in candidates.items():
             same = next((other for other in scores if candidates[other] == plan), None)
             if same is not None:
@@ -346,11 +369,12 @@ class MixedQuantizer(Quantizer):
             for name, precision in plan.items():
                 if precision != "dense":
                     model.get_submodule(name).weight.data.copy_(self._fake_quantized(precision, originals[name]))
-            scores[label] = divergence()
+            scores[label] = measure()
             for name in plan:
                 model.get_submodule(name).weight.data.copy_(originals[name])
         del originals
-        chosen = min(candidates, key=lambda label: scores[label])  # ties: the first listed
+        # The perplexity's own measure decides; ties: the first listed.
+        chosen = min(candidates, key=lambda label: scores[label]["loss"])
         choice = candidates[chosen]
         achieved = sum(m["params"] * m["bits"][choice[n]] for n, m in measured.items()) / total
         self.plan = {
@@ -364,10 +388,12 @@ class MixedQuantizer(Quantizer):
             "calibration_source": str(calibration.source),
             "calibration_loss": round(base, 6),
             "plan": chosen,
-            "plan_kl": {label: round(kl, 8) for label, kl in scores.items()},
+            "plan_loss_increase": {label: round(score["loss"], 8) for label, score in scores.items()},
+            "plan_kl": {label: round(score["kl"], 8) for label, score in scores.items()},
             "layers": {name: {"precision": choice[name], "bits": round(m["bits"][choice[name]], 4),
                               "params": m["params"],
-                              "sensitivity": {p: round(v, 8) for p, v in m["loss"].items()},
+                              "sensitivity": {p: round(v, 8) for p, v in m["kl"].items()},
+                              "loss_increase": {p: round(v, 8) for p, v in m["loss"].items()},
                               "input_outlier_ratio": round(m["outlier_ratio"], 3),
                               "input_kurtosis": round(m["kurtosis"], 3)}
                        for name, m in measured.items()},
