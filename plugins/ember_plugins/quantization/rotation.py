@@ -17,8 +17,8 @@ weights quantize better on calibration text (`calibrate`, so the default needs c
 model (no outlier channels in the residual stream; RMSNorm scales folded into the weights hurt their int4 groups)
 that leaves only the online rotation of down_proj, whose inputs have kurtosis 50-170, and it is what beats plain
 round-to-nearest int4 there (held-out perplexity, bench/eval_quantization.py: g128 52.2795 vs 52.3085, g64
-52.2984 vs 52.3057). `"all"` folds every one, QuaRot as published (g64 52.3167 there: worse than no rotation), for
-models whose residual stream has the outlier channels QuaRot was made for.
+52.2984 vs 52.3057). `"all"` folds every one, QuaRot as published (g128 52.4195, g64 52.3666 there: worse than no
+rotation), for models whose residual stream has the outlier channels QuaRot was made for.
 
 See `hadamard.py` for the matrices (sizes with an odd factor included). Limits, refused rather than ignored:
 tied embeddings (the LM head would need E diag(g) Q while the embeddings need E Q), a sharded model (the folds
