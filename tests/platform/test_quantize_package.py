@@ -154,7 +154,7 @@ def test_quantize_with_any_method_adds_it_to_a_manifest_without_one(
 
 @pytest.mark.parametrize(("method", "table", "technique"), [
     (["rotation", "int4"], "{ rotation = { seed = 3, candidates = 2 }, int4 = { group_size = 64 } }", "rotation"),
-    ("mixed", "{ average_bits = 5.0, group_size = 64 }", "mixed"),
+    ("mixed", "{ average_bits = 5.0, group_size = 64, calibration_tokens = 2048 }", "mixed"),
 ])
 def test_quantize_ships_what_the_techniques_chose_so_replicas_never_calibrate(
         tmp_path: Path, example_copy: Callable[..., Path], capsys: pytest.CaptureFixture[str],

@@ -14,6 +14,9 @@ from ember_plugins.quantization.mixed import knapsack_plan, plan_layers
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama" / "weights"
 LADDER = ("int4_g128", "int8", "dense")
+# The plan measured on 2048 calibration tokens, not the default 16384: what these tests check does not depend on
+# the plan being the best one, and the default costs minutes per model.
+FAST = {"calibration_tokens": 2048}
 
 
 def layer(params: int, loss: dict[str, float]) -> dict[str, object]:
@@ -35,7 +38,7 @@ def test_the_budget_goes_to_the_layer_that_saves_most_per_bit_and_is_never_excee
 
 
 def test_the_engine_stores_each_layer_as_planned() -> None:
-    llm = LLM(EXAMPLE, quantization="mixed", quantization_options={"average_bits": 6.0})
+    llm = LLM(EXAMPLE, quantization="mixed", quantization_options={"average_bits": 6.0, **FAST})
     linears = [m for name, m in llm.engine.model.named_modules() if hasattr(m, "mixed_method")]
     kinds = {type(m.mixed_method).__name__ for m in linears}
     assert linears and len(kinds) >= 2, kinds  # int4 for most, something more precise where it matters
@@ -47,6 +50,8 @@ def test_the_engine_stores_each_layer_as_planned() -> None:
 def test_a_budget_below_int4_is_refused_naming_the_option() -> None:
     with pytest.raises(Exception, match=r"quantization\.options\.average_bits"):
         LLM(EXAMPLE, quantization="mixed", quantization_options={"average_bits": 2.0})
+    with pytest.raises(Exception, match=r"quantization\.options\.calibration_tokens"):
+        LLM(EXAMPLE, quantization="mixed", quantization_options={"calibration_tokens": 100})
 
 
 def test_the_knapsack_plan_is_the_least_total_sensitivity_within_the_budget() -> None:
@@ -74,7 +79,7 @@ def test_the_knapsack_plan_is_the_least_total_sensitivity_within_the_budget() ->
 def test_the_plan_is_the_candidate_with_the_lowest_calibration_loss(tmp_path: Path) -> None:
     """At exactly uniform int4 g64's bits, the uniform plan is a candidate: the plan kept has the lowest whole-model
     calibration cross-entropy (perplexity's measure, not the KL the candidates are also scored by)."""
-    llm = LLM(EXAMPLE, quantization="mixed", quantization_options={"average_bits": 4.625})
+    llm = LLM(EXAMPLE, quantization="mixed", quantization_options={"average_bits": 4.625, **FAST})
     technique = next(m.mixed_method for _, m in llm.engine.model.named_modules() if hasattr(m, "mixed_method"))
     assert technique is not None
     plan = _plan(llm)
@@ -123,7 +128,7 @@ def test_explain_prints_each_candidates_calibration_loss_and_each_layers_loss_in
 
     from ember.cli import plugin_cmds
 
-    llm = LLM(EXAMPLE, quantization="mixed", quantization_options={"average_bits": 4.625})
+    llm = LLM(EXAMPLE, quantization="mixed", quantization_options={"average_bits": 4.625, **FAST})
     plan = _plan(llm)
     out = io.StringIO()
     monkeypatch.setattr(plugin_cmds, "console", Console(file=out, width=400))

@@ -85,7 +85,7 @@ def test_int4_layers_restore_from_the_cache_without_quantizing(tmp_path: Path,
 def test_mixed_layers_restore_their_plan_from_the_cache_without_calibrating(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EMBER_QUANTIZED_CACHE", str(tmp_path / "cache"))
-    options = {"average_bits": 5.0, "group_size": 64}
+    options = {"average_bits": 5.0, "group_size": 64, "calibration_tokens": 2048}
     first = LLM(EXAMPLE, quantization="mixed", quantization_options=options)
     assert not first.engine.quantized_from_cache
     plan = first.engine.quantization_states["mixed"]["layers"]

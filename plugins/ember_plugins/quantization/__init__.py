@@ -45,5 +45,5 @@ def ember_quantizers(register) -> None:
              summary="outlier-aware mixed precision: int4 (groups 128/64/32), int8 or dense per layer from "
                      "calibration sensitivity, under an average-bits budget; the plan is stored beside the "
                      "quantized-weight cache and printed by ember explain",
-             options=("average_bits", "group_size", "symmetric", "skip"),
+             options=("average_bits", "group_size", "symmetric", "skip", "calibration_tokens"),
              check="ember_plugins.quantization.options:check_mixed")

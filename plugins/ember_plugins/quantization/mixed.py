@@ -31,11 +31,12 @@ printed by `ember explain`; a later start restores it (`restore_state`) and load
 tensors through its precision's method (`restored_method`), without calibrating or quantizing.
 
 Sensitivities are measured one layer at a time (interactions ignored there, as HAWQ / Baseten-style layer
-selection does; step 3 measures them): a pass of the first `SENSITIVITY_TOKENS` (16384) calibration tokens per
-covered layer and rung, and one per candidate plan. That many because the first-order part is a mean over tokens
-whose per-token spread is far larger than the 1e-4 nats plans differ by: on 2048 tokens the estimate chose worse
-plans. It costs about 70 passes of 16384 tokens: on the example model about 5 minutes on one CPU thread of a
-loaded machine (17 s with 2048 tokens), once per model, the plan then restored from the quantized-weight cache.
+selection does; step 3 measures them): a pass of the first `calibration_tokens` (option, default 16384) of the
+calibration text per covered layer and rung, and one per candidate plan. That many because the first-order part is
+a mean over tokens whose per-token spread is far larger than the 1e-4 nats plans differ by: on 2048 tokens the
+estimate chose worse plans. It costs about 70 passes of 16384 tokens: on the example model about 5 minutes on one
+CPU thread of a loaded machine (17 s with 2048 tokens), once per model, the plan then restored from the
+quantized-weight cache.
 """
 
 from __future__ import annotations
@@ -67,9 +68,8 @@ from ember_plugins.quantization.int4 import (
     quantize_rtn,
 )
 from ember_plugins.quantization.int8 import Int8LinearMethod, quantize_per_channel
-from ember_plugins.quantization.options import check_mixed, checked
+from ember_plugins.quantization.options import MIXED_CALIBRATION_TOKENS, check_mixed, checked
 
-SENSITIVITY_TOKENS = 16384  # calibration tokens sensitivities and plans are measured on, in sequences of ...
 SEQUENCE = 256
 SENSITIVITIES = {"kl": "KL", "loss": "loss increase"}  # measured key -> the name candidates built on it carry
 RULE = ("within average_bits per weight: of the greedy plan (every covered layer int4 in the largest groups, then "
@@ -227,6 +227,7 @@ class MixedQuantizer(Quantizer):
         self.symmetric = self.options.get("symmetric", True)
         self.skip = self.options.get("skip", ["lm_head"])
         self._check(None)
+        self.calibration_tokens = int(self.options.get("calibration_tokens", MIXED_CALIBRATION_TOKENS))
         self.layers: dict[str, dict[str, Any]] = {}  # covered layer -> its size, bits per precision
         self.plan: dict[str, Any] | None = None
         self.ladder = precisions(self.group_size)
@@ -304,7 +305,7 @@ class MixedQuantizer(Quantizer):
         model = calibration.model
         inputs = calibration.capture(self.layers)
         # Sensitivities on more text than the shared capture's (512 tokens): see the module docs.
-        ids = calibration.tokenizer.encode(calibration.text, add_special_tokens=False)[:SENSITIVITY_TOKENS]
+        ids = calibration.tokenizer.encode(calibration.text, add_special_tokens=False)[:self.calibration_tokens]
         sequences = [s for s in (ids[i:i + SEQUENCE] for i in range(0, len(ids), SEQUENCE)) if len(s) > 1]
         if not sequences:
             raise QuantizationError(f"quantization 'mixed': the calibration text ({calibration.source}) has no tokens")
