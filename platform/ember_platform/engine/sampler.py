@@ -405,10 +405,13 @@ def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch
         return x
     sub = x.index_select(0, rows)  # [n, V]
     threshold = torch.full((rows.numel(),), _NEG_INF, dtype=x.dtype, device=x.device)
-    if top_k is not None:
-        k = top_k.index_select(0, rows).clamp(min=1, max=vocab_size)
-        largest = sub.topk(int(k.max()), dim=-1).values  # [n, max k], descending
-        threshold = torch.where(k < vocab_size, largest.gather(1, (k - 1).unsqueeze(1)).squeeze(1), threshold)
+    if top_k is not None:  # the rows with a top-k only (a top-p-only row would make this a full sort)
+        k = top_k.index_select(0, rows)
+        limited = (k < vocab_size).nonzero().squeeze(1)
+        if limited.numel():
+            k = k.index_select(0, limited).clamp(min=1)
+            largest = sub.index_select(0, limited).topk(int(k.max()), dim=-1).values  # [m, max k], descending
+            threshold.index_copy_(0, limited, largest.gather(1, (k - 1).unsqueeze(1)).squeeze(1))
     if top_p is not None:
         _top_p_threshold(sub, threshold, top_p.index_select(0, rows))
     sub.masked_fill_(sub < threshold.unsqueeze(1), _NEG_INF)
