@@ -266,3 +266,22 @@ def test_cheap_prefill_tokens_do_not_make_wide_decode_steps_look_cheap() -> None
     assert stream(spec, prompts, 12) == plain
     steady = chosen[WARMUP_STEPS:]
     assert steady.count(4) >= 0.8 * len(steady), chosen
+
+
+def test_a_speculator_that_needs_no_steps_without_drafts_is_not_called_on_them() -> None:
+    # ngram declares sees_steps_without_drafts = False: above the ceiling (2 running, max_batch_size 1) nobody gets
+    # drafts, and the engine skips the call altogether; once one request is left, it is called and drafts.
+    llm = LLM(str(EXAMPLE), speculator="ngram", num_speculative_tokens=4, speculator_max_batch_size=1,
+              speculator_adaptive=False)
+    engine = llm.engine
+    assert not engine.speculator.sees_steps_without_drafts
+    calls: list[int] = []
+    propose = engine.speculator.propose
+    engine.speculator.propose = lambda inputs: (calls.append(len(inputs.propose_for)), propose(inputs))[1]
+    engine.add_request("long", REPETITIVE, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    engine.add_request("short", REPETITIVE + "#", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    # a speculator that sees every step would be called with propose_for = [] on the steps with both running
+    assert calls and all(n == 1 for n in calls)
+    assert engine.num_draft_tokens > 0
