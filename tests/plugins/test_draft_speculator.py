@@ -57,14 +57,28 @@ def test_greedy_output_survives_preemption(plain_outputs: list[list[int]],
     assert engine.num_accepted_tokens > 0
 
 
-def test_proposals_are_the_draft_models_own_greedy_continuation() -> None:
-    """The draft reads its paged KV cache (filled over prompt chunks, verified tokens and overwritten drafts): what it
-    proposes is what transformers' copy of the draft model, given the whole sequence at once, continues with."""
+def hf_greedy_mismatches(seen: list[tuple[list[int], list[int]]], tolerance: float) -> list[tuple[int, float]]:
+    """Against transformers' copy of the draft model given each whole sequence at once: for each proposal whose
+    greedy continuation differs, (its index, how far below the top logit the proposed token's was)."""
     from transformers import AutoModelForCausalLM
 
-    # The prompts arrive in chunks of at most 24 tokens; while all three run, more than speculator_max_batch_size, no
-    # drafts (and no draft pass): the cache catches up over what it missed when drafting resumes.
-    llm = draft(max_num_batched_tokens=24, max_num_seqs=4, speculator_max_batch_size=2)
+    hf = AutoModelForCausalLM.from_pretrained(EXAMPLE / DRAFT, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for index, (tokens, proposal) in enumerate(seen):
+            ids = torch.tensor([tokens])
+            for token in proposal:
+                logits = hf(ids).logits[0, -1]
+                gap = float(logits.max() - logits[token])
+                if int(logits.argmax()) != token and gap >= tolerance:
+                    out.append((index, gap))
+                    break
+                ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out
+
+
+def recorded(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    """The engine's calls to propose, observed: (each drafted request's tokens, its proposal)."""
     spec = llm.engine.speculator
     seen: list[tuple[list[int], list[int]]] = []
     propose = spec.propose
@@ -77,6 +91,46 @@ def test_proposals_are_the_draft_models_own_greedy_continuation() -> None:
         return proposals
 
     spec.propose = recording
+    return seen
+
+
+# Prompts that arrive in chunks of at most 24 tokens; while all three run, more than speculator_max_batch_size, no
+# drafts (and no draft pass): the cache catches up over what it missed when drafting resumes.
+CHUNKED = {"max_num_batched_tokens": 24, "max_num_seqs": 4, "speculator_max_batch_size": 2}
+CHUNKED_PROMPTS = [PROMPTS[0] * 3, PROMPTS[1], PROMPTS[3] * 2]  # a long prompt (several chunks) among short ones
+
+
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
+def test_the_native_kernel_drafts_the_draft_models_greedy_continuation(weights: str) -> None:
+    """Greedy requests draft through draft_llama.c, one call per request and step (its catch-up over prompt chunks,
+    verified tokens and overwritten drafts, then the chain): what it proposes is the draft model's own greedy
+    continuation, but for near-ties; in bfloat16 or int8 (the default) the matrices round, so a few more differ."""
+    llm = draft(**CHUNKED, speculator_options={"native_draft_weights": weights})
+    spec = llm.engine.speculator
+    assert spec.native is not None
+    calls: list[tuple[int, int]] = []
+    kernel = spec.native.draft
+    spec.native.draft = lambda ids, first, *rest: calls.append((len(ids), first)) or kernel(ids, first, *rest)
+    seen = recorded(llm)
+    spec.chain.forward = None  # never called: every request is greedy
+    lengths = [8, 30, 30]
+    outputs = llm.generate(CHUNKED_PROMPTS, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                                             for n in lengths])
+    assert [len(o.token_ids) for o in outputs] == lengths
+    assert len(seen) > 10 and len(calls) == len(seen)
+    assert any(n > 24 for n, first in calls if first == 0)  # a whole prompt's catch-up in one call
+    assert any(1 < n <= 4 and first > 0 for n, first in calls)  # verified tokens since the request's last step
+    misses = hf_greedy_mismatches(seen, tolerance=1e-3)
+    assert len(misses) <= {"float32": 0, "bfloat16": len(seen) // 10, "int8": len(seen) // 10}[weights], misses
+
+
+def test_the_chain_decoder_drafts_the_draft_models_greedy_continuation() -> None:
+    """The torch path (native_draft = false, and sampled requests always): the draft reads its paged KV cache
+    through the chain decoder and the model code; what it proposes is the draft model's greedy continuation."""
+    llm = draft(**CHUNKED, speculator_options={"native_draft": False})
+    spec = llm.engine.speculator
+    assert spec.native is None
+    seen = recorded(llm)
     # The drafting passes run on the chain decoder (draft_chain.py), the first passes over a few new tokens too,
     # for one request and for two with runs of different lengths; the passes over whole prompts on the model code.
     assert spec.chain is not None
@@ -88,28 +142,47 @@ def test_proposals_are_the_draft_models_own_greedy_continuation() -> None:
         return chain_forward(ids, positions, *args, **kwargs)
 
     spec.chain.forward = counting
-    prompts = [PROMPTS[0] * 3, PROMPTS[1], PROMPTS[3] * 2]  # a long prompt (several chunks) among short ones
     lengths = [8, 30, 30]
-    outputs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths])
+    outputs = llm.generate(CHUNKED_PROMPTS, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                                             for n in lengths])
     assert [len(o.token_ids) for o in outputs] == lengths
-    assert len(seen) > 10 and min(len(tokens) for tokens, _ in seen) >= len(llm.engine.tokenizer.encode(prompts[1])) + 8
+    assert len(seen) > 10
+    assert min(len(tokens) for tokens, _ in seen) >= len(llm.engine.tokenizer.encode(CHUNKED_PROMPTS[1])) + 8
     # Alone: the chain decoder keeps its buffer from step to step (nothing gathered from the paged cache).
     alone = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     assert len(alone[0].token_ids) == 30
-    hf = AutoModelForCausalLM.from_pretrained(EXAMPLE / DRAFT, dtype=torch.float32).eval()
-    exact = 0
-    with torch.no_grad():
-        for tokens, proposal in seen:
-            ids = torch.tensor([tokens])
-            for j, token in enumerate(proposal):
-                logits = hf(ids).logits[0, -1]
-                if int(logits.argmax()) != token:  # only a near-tie may go the other way in float32
-                    assert float(logits.max() - logits[token]) < 1e-3, (tokens, proposal, j)
-                ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-            exact += 1
-    assert exact == len(seen)
+    assert hf_greedy_mismatches(seen, tolerance=1e-3) == []  # only a near-tie may go the other way in float32
     assert {(1, 1), (2, 1)} <= set(chain_passes)  # one-token passes, alone and batched
     assert any(q > 1 for b, q in chain_passes if b == 2)  # a batched first pass over several new tokens
+
+
+def test_a_batch_of_greedy_and_sampled_requests_drafts_on_both_paths(plain_outputs: list[list[int]]) -> None:
+    # Greedy requests on the kernel, sampled ones on the model code, in the same steps; greedy output unchanged.
+    llm = draft(max_num_seqs=8)
+    spec = llm.engine.speculator
+    kernel_calls, model_passes = [], []
+    kernel, forward = spec.native.draft, spec._forward
+    spec.native.draft = lambda *args: kernel_calls.append(1) or kernel(*args)
+    spec._forward = lambda *args: model_passes.append(1) or forward(*args)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=40, ignore_eos=True)
+    outputs = llm.generate(PROMPTS + PROMPTS, [GREEDY] * len(PROMPTS) + [sampled] * len(PROMPTS))
+    assert [out.token_ids for out in outputs[:len(PROMPTS)]] == plain_outputs
+    assert all(len(out.token_ids) == 40 for out in outputs[len(PROMPTS):])
+    assert len(kernel_calls) > 20 and len(model_passes) > 20
+
+
+def test_native_draft_options_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"speculator\.options\.native_draft must be true or false, got 'yes'"):
+        draft(speculator_options={"native_draft": "yes"})
+    with pytest.raises(ValueError, match=r"speculator\.options\.native_draft is true, but it runs on CPU in float32"):
+        draft(dtype="bfloat16", speculator_options={"native_draft": True})
+    assert draft(dtype="bfloat16").engine.speculator.native is None  # by default: the torch paths where it cannot
+    with pytest.raises(ValueError, match=r"speculator\.options\.native_draft_weights must be one of int8, bfloat16, "
+                                         r"float32, got 'int4'"):
+        draft(speculator_options={"native_draft_weights": "int4"})
+    with pytest.raises(ValueError, match=r"native_draft_weights is for the native kernel, which .*native_draft = "
+                                         r"false turns off"):
+        draft(speculator_options={"native_draft": False, "native_draft_weights": "int8"})
 
 
 def copy_package(tmp_path: Path) -> Path:

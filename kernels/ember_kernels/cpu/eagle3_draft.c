@@ -33,14 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "simd.h"
-
-int ember_dense_linear_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
-                           int64_t K, int num_threads);
-int ember_int8_linear(const void *x, int x_bf16, const int8_t *w, const float *scale, void *y, int y_bf16,
-                      int64_t M, int64_t N, int64_t K, int num_threads);
-int ember_dense_linear_bf16(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M, int64_t N,
-                            int64_t K, int num_threads);
+#include "draft_ops.h"
 
 /* Order of the weight pointers. */
 enum { W_FC, W_IN_NORM, W_HIDDEN_NORM, W_QKV, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, W_NORM, W_LM_HEAD, W_EMBED };
@@ -53,151 +46,14 @@ typedef struct {
     const float *const *scales; /* FORMAT_INT8: each matrix's per-row scales, by W_* index */
     int64_t d, h, hkv, hd, inter, n, v;
     float eps, scale;
-    float *k_cache, *v_cache;
-    int64_t s, num_blocks;
-    const int32_t *table;
-    int64_t table_len;
-    const int64_t *gaps; /* [n_gaps, 2]: position ranges [a, b) whose K/V were never written, masked out */
-    int64_t n_gaps;
+    PagedKV kv; /* the head's cache, the request's table and gaps */
     int threads;
 } Head;
-
-enum { FORMAT_F32, FORMAT_BF16, FORMAT_INT8 };
 
 /* y[M, N] = x[M, K] @ w[N, K].T, w in the head's matrix format. */
 static inline void linear(const Head *m, const float *x, int which, float *y, int64_t M, int64_t N, int64_t K,
                           int threads) {
-    if (m->format == FORMAT_INT8)
-        ember_int8_linear(x, 0, (const int8_t *)m->w[which], m->scales[which], y, 0, M, N, K, threads);
-    else if (m->format == FORMAT_BF16)
-        ember_dense_linear_bf16(x, (const uint16_t *)m->w[which], NULL, y, M, N, K, threads);
-    else
-        ember_dense_linear_f32(x, m->w[which], NULL, y, M, N, K, threads);
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-static inline float dot(const float *a, const float *b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float s = hsum(acc);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-static inline void axpy(float *y, float a, const float *x, int64_t n) {
-    const __m256 av = _mm256_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * x[i];
-}
-
-/* In place: x[i] = exp(x[i] - max) / sum. */
-static void softmax(float *x, int64_t n) {
-    float top = -INFINITY;
-    for (int64_t i = 0; i < n; i++) top = x[i] > top ? x[i] : top;
-    const __m256 tv = _mm256_set1_ps(top);
-    __m256 sv = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), tv));
-        _mm256_storeu_ps(x + i, e);
-        sv = _mm256_add_ps(sv, e);
-    }
-    float sum = hsum(sv);
-    for (; i < n; i++) sum += (x[i] = expf(x[i] - top));
-    const float inv = 1.0f / sum;
-    for (i = 0; i < n; i++) x[i] *= inv;
-}
-
-/* scores[t] = q . keys[t] * scale for n contiguous key rows of hd floats: four keys at a time (independent FMA
- * chains: one key's chain alone waits on FMA latency). */
-static void score_rows(const float *q, const float *keys, int64_t n, int64_t hd, float scale, float *scores) {
-    int64_t t = 0;
-    if (hd % 8 == 0)
-        for (; t + 4 <= n; t += 4) {
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            const float *k0 = keys + t * hd;
-            for (int64_t i = 0; i < hd; i += 8) {
-                const __m256 qv = _mm256_loadu_ps(q + i);
-                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + hd + i), a1);
-                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * hd + i), a2);
-                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * hd + i), a3);
-            }
-            scores[t] = hsum(a0) * scale, scores[t + 1] = hsum(a1) * scale;
-            scores[t + 2] = hsum(a2) * scale, scores[t + 3] = hsum(a3) * scale;
-        }
-    for (; t < n; t++) scores[t] = dot(q, keys + t * hd, hd) * scale;
-}
-
-/* o += sum_t p[t] * values[t] over n contiguous value rows; o kept in registers 64 floats at a time. */
-static void accumulate_rows(float *o, const float *p, const float *values, int64_t n, int64_t hd) {
-    if (hd % 64 != 0) {
-        for (int64_t t = 0; t < n; t++) axpy(o, p[t], values + t * hd, hd);
-        return;
-    }
-    for (int64_t i = 0; i < hd; i += 64) {
-        __m256 acc[8];
-        for (int c = 0; c < 8; c++) acc[c] = _mm256_loadu_ps(o + i + 8 * c);
-        for (int64_t t = 0; t < n; t++) {
-            const __m256 a = _mm256_set1_ps(p[t]);
-            const float *v = values + t * hd + i;
-            for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(a, _mm256_loadu_ps(v + 8 * c), acc[c]);
-        }
-        for (int c = 0; c < 8; c++) _mm256_storeu_ps(o + i + 8 * c, acc[c]);
-    }
-}
-#else
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float s = 0.0f;
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-static inline void axpy(float *y, float a, const float *x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
-}
-
-static void softmax(float *x, int64_t n) {
-    float top = -INFINITY, sum = 0.0f;
-    for (int64_t i = 0; i < n; i++) top = x[i] > top ? x[i] : top;
-    for (int64_t i = 0; i < n; i++) sum += (x[i] = expf(x[i] - top));
-    for (int64_t i = 0; i < n; i++) x[i] /= sum;
-}
-
-static void score_rows(const float *q, const float *keys, int64_t n, int64_t hd, float scale, float *scores) {
-    for (int64_t t = 0; t < n; t++) scores[t] = dot(q, keys + t * hd, hd) * scale;
-}
-
-static void accumulate_rows(float *o, const float *p, const float *values, int64_t n, int64_t hd) {
-    for (int64_t t = 0; t < n; t++) axpy(o, p[t], values + t * hd, hd);
-}
-#endif
-
-static void rms(const float *x, const float *w, float *out, int64_t n, float eps) {
-    float ss = dot(x, x, n);
-    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
-    for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
-}
-
-static void rope(float *x, const float *cos, const float *sin, int64_t hd) {
-    const int64_t half = hd / 2;
-    for (int64_t i = 0; i < half; i++) {
-        const float a = x[i], b = x[i + half];
-        x[i] = a * cos[i] - b * sin[i];
-        x[i + half] = b * cos[i + half] + a * sin[i + half];
-    }
-}
-
-/* The paged cache row of (position p, KV head g), or NULL if the position's block is not in the table. */
-static inline int64_t paged_row(const Head *m, int64_t p, int64_t g) {
-    const int64_t b = p / m->s;
-    if (b < 0 || b >= m->table_len) return -1;
-    const int64_t block = m->table[b];
-    if (block < 0 || block >= m->num_blocks) return -1;
-    return ((block * m->hkv + g) * m->s + p % m->s) * m->hd;
+    linear_in_format(m->format, m->w[which], m->scales[which], x, y, M, N, K, threads);
 }
 
 /* The layer over R rows. Row r's own K/V go to the paged cache at position pos[r] (extra_index[r] < 0) or to the
@@ -226,9 +82,9 @@ static int layer(const Head *m, int64_t R, const float *embeds, const float *hid
             const float *kk = row + (h + g) * hd, *vv = row + (h + hkv + g) * hd;
             float *kd, *vd;
             if (extra_index[r] < 0) {
-                const int64_t at = paged_row(m, pos[r], g);
+                const int64_t at = paged_row(&m->kv, pos[r], g);
                 if (at < 0) return 1;
-                kd = m->k_cache + at, vd = m->v_cache + at;
+                kd = m->kv.k + at, vd = m->kv.v + at;
             } else {
                 kd = ek + (g * max_extra + extra_index[r]) * hd, vd = ev + (g * max_extra + extra_index[r]) * hd;
             }
@@ -239,32 +95,11 @@ static int layer(const Head *m, int64_t R, const float *embeds, const float *hid
     const int64_t group = h / hkv;
     for (int64_t r = 0; r < R; r++) {
         const int64_t nc = ctx[r], ne = n_extra[r];
-        if (nc > 0 && (nc - 1) / m->s >= m->table_len) return 1;
-        for (int64_t b = 0; b * m->s < nc; b++)
-            if (m->table[b] < 0 || m->table[b] >= m->num_blocks) return 1;
+        if (!paged_context_ok(&m->kv, nc)) return 1;
         for (int64_t head = 0; head < h; head++) {
             const int64_t g = head / group;
-            const float *q = qkv + r * qkv_w + head * hd;
-            /* Scores: the paged context block by block (each block's rows of KV head g are contiguous), then the
-             * scratch keys; one max, exp and sum over all. */
-            for (int64_t b = 0; b * m->s < nc; b++) {
-                const float *keys = m->k_cache + ((int64_t)m->table[b] * hkv + g) * m->s * hd;
-                const int64_t n = nc - b * m->s < m->s ? nc - b * m->s : m->s;
-                score_rows(q, keys, n, hd, m->scale, scores + b * m->s);
-            }
-            for (int64_t i = 0; i < m->n_gaps; i++)
-                for (int64_t p = m->gaps[2 * i] > 0 ? m->gaps[2 * i] : 0; p < m->gaps[2 * i + 1] && p < nc; p++)
-                    scores[p] = -INFINITY;
-            for (int64_t e = 0; e < ne; e++) scores[nc + e] = dot(q, ek + (g * max_extra + e) * hd, hd) * m->scale;
-            softmax(scores, nc + ne);
-            float *o = att + r * h * hd + head * hd;
-            memset(o, 0, sizeof(float) * (size_t)hd);
-            for (int64_t b = 0; b * m->s < nc; b++) {
-                const float *values = m->v_cache + ((int64_t)m->table[b] * hkv + g) * m->s * hd;
-                const int64_t n = nc - b * m->s < m->s ? nc - b * m->s : m->s;
-                accumulate_rows(o, scores + b * m->s, values, n, hd);
-            }
-            for (int64_t e = 0; e < ne; e++) axpy(o, scores[nc + e], ev + (g * max_extra + e) * hd, hd);
+            attend(&m->kv, qkv + r * qkv_w + head * hd, g, nc, ek + g * max_extra * hd, ev + g * max_extra * hd, ne,
+                   m->scale, scores, att + r * h * hd + head * hd);
         }
     }
     linear(m, att, W_O, h2, R, d, h * hd, m->threads);
@@ -287,10 +122,7 @@ static int layer(const Head *m, int64_t R, const float *embeds, const float *hid
 static int64_t choose(const Head *m, const int64_t *vocab, const float *h, float *normed, float *logits) {
     rms(h, m->w[W_NORM], normed, m->d, m->eps);
     linear(m, normed, W_LM_HEAD, logits, 1, m->n, m->d, 1);
-    int64_t best = 0;
-    for (int64_t i = 1; i < m->n; i++)
-        if (logits[i] > logits[best]) best = i;  /* the first of equal maxima, as torch.argmax */
-    return vocab[best];
+    return vocab[argmax(logits, m->n)];
 }
 
 int ember_eagle3_draft(const float *const *weights, int format, const float *const *scales, const int64_t *dims, float eps, float scale,
@@ -300,8 +132,9 @@ int ember_eagle3_draft(const float *const *weights, int format, const float *con
                        const int64_t *gaps, int64_t n_gaps, int64_t k,
                        const int64_t *vocab, float *out, int64_t *tokens, int num_threads) {
     Head m = {weights, format, scales, dims[D_HIDDEN], dims[D_HEADS], dims[D_KV_HEADS], dims[D_HEAD_DIM], dims[D_INTER],
-              dims[D_DRAFT_VOCAB], dims[D_VOCAB], eps, scale, k_cache, v_cache, S, num_blocks, table, table_len,
-              gaps, n_gaps, num_threads};
+              dims[D_DRAFT_VOCAB], dims[D_VOCAB], eps, scale,
+              {k_cache, v_cache, S, num_blocks, dims[D_KV_HEADS], dims[D_HEAD_DIM], table, table_len, gaps, n_gaps},
+              num_threads};
     if (R < 1 || k < 0 || p0 < 0 || m.hkv < 1 || m.h % m.hkv != 0 || m.hd % 2 != 0 || S < 1) return 1;
     for (int64_t r = 0; r < R; r++)
         if (next_ids[r] < 0 || next_ids[r] >= m.v) return 1;

@@ -31,6 +31,11 @@
 #include <stdlib.h>
 
 #define NB 16 /* output rows per work item */
+/* Below this many multiply-adds one thread: waking another (OpenMP, passive wait) costs more than it saves, as
+ * for the dense linears (dense_linear.c); at batch 1 a small model's every linear, and a drafter's, is below it. */
+#ifndef MIN_PARALLEL_WORK
+#define MIN_PARALLEL_WORK (1 << 20)
+#endif
 #define MG 4  /* activation rows per pass over a weight row: 4 accumulators + 4 widened weights fit in registers */
 
 #define KIND_INT8 0
@@ -139,7 +144,8 @@ static int run(const void *x, int x_bf16, const uint8_t *w, const float *scale, 
     }
     const float *xf = x_bf16 ? widened : (const float *)x;
     int64_t num_blocks = (N + NB - 1) / NB;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+    if (num_threads < 1 || M * N * K < MIN_PARALLEL_WORK) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
     for (int64_t b = 0; b < num_blocks; b++) {
         int64_t n0 = b * NB, n1 = n0 + NB < N ? n0 + NB : N;
         if (kind == KIND_E4M3) block(xf, w, scale, y, y_bf16, M, N, K, n0, n1, KIND_E4M3);

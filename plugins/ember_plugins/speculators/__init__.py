@@ -21,4 +21,4 @@ def ember_speculators(register) -> None:
     register("draft", "ember_plugins.speculators.draft:DraftSpeculator",
              summary="a small draft model of the target's tokenizer ([speculator] model, a Hugging Face checkpoint) "
                      "drafts k tokens autoregressively with its own paged KV cache, batched across requests",
-             options=("model",))
+             options=("model", "native_draft", "native_draft_weights"))

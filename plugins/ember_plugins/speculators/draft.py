@@ -19,6 +19,16 @@ and every pass of a step with a sampled request (whose seeded drafts must not de
 engine's model code.
 At batch 1 on the example a one-token pass of the model code cost about half a target pass, mostly fixed per-op cost.
 
+Option `native_draft` (default: where it runs): on CPU in float32 with the native kernels built, each greedy
+request's step (pass 1, whatever its length, and passes 2..k) is one call of the `ember_kernels` kernel
+`draft_llama.c`: no torch op per pass (the chain decoder's ~60 ops per pass still cost about a third of a target
+step at batch 1, which held the draft to ~1.2x of no speculation). `true` requires it (refused where it cannot
+run), `false` keeps the torch paths. `native_draft_weights` (`int8`, the default: a scale per output row;
+`bfloat16`; `float32`): how the kernel keeps the draft's matrices; every draft position streams all of them, so
+narrower ones draft faster, and drafts differ from the float32 model's only at near-ties (outputs never: the
+target verifies every draft). Sampled requests keep the torch paths either way (their drafts are drawn between
+passes).
+
 The cache catches up lazily, when a request is drafted for, so a step that drafts nothing (the engine chose k = 0:
 a large batch, low acceptance) costs no pass at all. The drafted positions' KV is written where the request's block
 table puts those positions and is simply written over when the true tokens arrive (pass 1 rewrites every position
@@ -132,7 +142,7 @@ def _process(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
 
 
 class DraftSpeculator(Speculator):
-    """Runs a draft model; takes no options beyond `[speculator] model`."""
+    """Runs a draft model (`[speculator] model`); options `native_draft`, `native_draft_weights` (module docstring)."""
 
     sees_steps_without_drafts = False  # its draft cache catches up lazily, when drafting resumes
 
@@ -172,6 +182,9 @@ class DraftSpeculator(Speculator):
         # The drafting passes in few ops (draft_chain.py) where the draft is a plain full-precision Llama; else (and
         # for first passes over many tokens) the engine's model code.
         self.chain = ChainDecoder(self.model) if ChainDecoder.supports(self.model) else None
+        self.native = self._native_kernel(self.options.get("native_draft"),
+                                          self.options.get("native_draft_weights", "int8"))
+        self._cos = self._sin = torch.empty(0)  # RoPE rows of positions 0.. for the kernel, grown on demand
         self.builders = [builder for b in backends if hasattr(b, "metadata_builder")
                          and (builder := b.metadata_builder(block_size, context.device)) is not None]
         self._shared_generator = torch.Generator(device=context.device)
@@ -179,6 +192,52 @@ class DraftSpeculator(Speculator):
         self._generators: dict[str, torch.Generator] = {}
         # request id -> (its block list when last drafted for, positions 0..n - 1 its draft cache holds since)
         self._done: dict[str, tuple[list[int], int]] = {}
+
+    def _native_kernel(self, wanted: Any, weight_format: Any) -> Any:
+        """The bound native kernel (module docstring, `native_draft`), or None for the torch paths."""
+        if wanted is not None and not isinstance(wanted, bool):
+            raise ValueError(f"speculator.options.native_draft must be true or false, got {wanted!r}")
+        formats = ("int8", "bfloat16", "float32")
+        if weight_format not in formats:
+            raise ValueError(f"speculator.options.native_draft_weights must be one of {', '.join(formats)}, got "
+                             f"{weight_format!r}")
+        if wanted is False:
+            if "native_draft_weights" in self.options:
+                raise ValueError("speculator.options.native_draft_weights is for the native kernel, which "
+                                 "speculator.options.native_draft = false turns off")
+            return None
+        why = None
+        model = self.model
+        if self.context.device.type != "cpu" or self.context.dtype != torch.float32:
+            why = f"it runs on CPU in float32 (this engine: {self.context.device.type}, {self.context.dtype})"
+        elif self.chain is None or any(
+                b is not None for layer in self.chain.layers
+                for b in (layer.qkv_bias, layer.o_bias, layer.gate_up_bias, layer.down_bias)):
+            why = "it runs a plain Llama draft with full-precision linears and no biases"
+        else:
+            try:
+                from ember_kernels.cpu.draft_llama import DraftLlamaKernel, draft_llama_available
+            except ImportError:
+                why = "ember_kernels is not installed"
+            else:
+                if not draft_llama_available():
+                    why = "the native CPU kernels are unavailable on this machine"
+        if why is not None:
+            if wanted:
+                raise ValueError(f"speculator.options.native_draft is true, but {why}")
+            return None
+        args, inner = model.args, model.model
+        weights = {"embed": inner.embed_tokens.weight, "norm": inner.norm.weight, "lm_head": model.lm_head.weight}
+        layers = [{"input_layernorm": layer.input_layernorm.weight, "qkv": layer.self_attn.qkv_proj.weight,
+                   "o_proj": layer.self_attn.o_proj.weight,
+                   "post_attention_layernorm": layer.post_attention_layernorm.weight,
+                   "gate_up": layer.mlp.gate_up_proj.weight, "down_proj": layer.mlp.down_proj.weight}
+                  for layer in inner.layers]
+        dims = (args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim,
+                layers[0]["down_proj"].shape[1], weights["embed"].shape[0])
+        return DraftLlamaKernel({n: w.detach() for n, w in weights.items()},
+                                [{n: w.detach() for n, w in layer.items()} for layer in layers], dims,
+                                inner.norm.eps, args.head_dim ** -0.5, weight_format)
 
     def memory_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -312,10 +371,6 @@ class DraftSpeculator(Speculator):
         # after a preemption; else those since its last drafting step), the newest last: its logits give draft 1.
         order = list(drafting)
         reqs = [inputs.batch[i] for i in order]
-        width = max(len(t) for t in drafting.values())
-        device = self.context.device
-        draft_tables = torch.stack([torch.nn.functional.pad(torch.tensor(drafting[i], dtype=torch.int32),
-                                                            (0, width - len(drafting[i]))) for i in order])
         starts = []
         for req in reqs:
             blocks, done = self._done.get(req.request_id, (None, 0))
@@ -325,6 +380,49 @@ class DraftSpeculator(Speculator):
             # Held from now on: every position before the newest (the newest's KV may sit in a scratch block, and the
             # drafted positions' KV is only a guess: both are written again next time).
             self._done[req.request_id] = (req.block_ids, req.num_tokens - 1)
+        by_index: dict[int, Proposal] = {}
+        rest = list(range(len(reqs)))
+        if self.native is not None and self._caches_fit_kernel():
+            # Greedy requests: one kernel call each (a sampled request's drafts are drawn from its generator between
+            # passes, so it keeps the torch paths).
+            rest = [j for j in rest if not reqs[j].params.greedy]
+            for j, (i, req) in enumerate(zip(order, reqs, strict=True)):
+                if req.params.greedy:
+                    by_index[i] = Proposal(self._native_draft(req, starts[j], drafting[i], k), None)
+        if rest:
+            width = max(len(drafting[order[j]]) for j in rest)
+            draft_tables = torch.stack([torch.nn.functional.pad(torch.tensor(drafting[order[j]], dtype=torch.int32),
+                                                                (0, width - len(drafting[order[j]]))) for j in rest])
+            tokens, dists = self._torch_draft([reqs[j] for j in rest], [starts[j] for j in rest], draft_tables, k)
+            for j, row, dist in zip(rest, tokens, dists, strict=True):
+                by_index[order[j]] = Proposal(row, dist)
+        return [by_index.get(i) for i in inputs.propose_for]
+
+    def _caches_fit_kernel(self) -> bool:
+        """Whether the bound caches are what the kernel reads: float32, contiguous, on the CPU."""
+        return all(c.dtype == torch.float32 and c.is_contiguous() and c.is_cpu for pair in self.kv_caches
+                   for c in pair[:2])
+
+    def _native_draft(self, req: Request, start: int, blocks: list[int], k: int) -> list[int]:
+        """A greedy request's step on the native kernel: the tokens from `start` on into the cache, k drafts."""
+        end = req.num_tokens - 1 + k  # RoPE rows: positions start .. num_tokens + k - 2
+        if self._cos.shape[0] < end:
+            positions = torch.arange(max(end, 2 * self._cos.shape[0], 256))
+            cos, sin = self.model.model.rotary_emb(positions, torch.float32)
+            self._cos, self._sin = cos.contiguous(), sin.contiguous()
+        tokens = self.native.draft(req.all_token_ids[start:], start, self._cos[start:end], self._sin[start:end],
+                                   [pair[0] for pair in self.kv_caches], [pair[1] for pair in self.kv_caches],
+                                   torch.tensor(blocks, dtype=torch.int32), k)
+        if tokens is None:
+            raise ValueError(f"the native draft kernel refused request {req.request_id}'s step (a token or position "
+                             "outside the draft's vocabulary or block table?)")
+        return tokens
+
+    def _torch_draft(self, reqs: list[Request], starts: list[int], draft_tables: torch.Tensor, k: int
+                     ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Drafts of these requests through torch ops (the chain decoder, or the model code: see the module
+        docstring): each one's k tokens, and for sampled ones the [k, V] distributions they were drawn from."""
+        device = self.context.device
         sampled = [j for j, r in enumerate(reqs) if not r.params.greedy]
         # Sampled requests draft on the model code, whose kernels sum each row in one order whatever the batch, so a
         # seeded request's drafts (and output) are the same alone and in any batch; the chain decoder's torch.mm and
@@ -344,7 +442,7 @@ class DraftSpeculator(Speculator):
         probs.append(p)
         # Passes 2..k: one token per drafting request, the previous draft at the next position.
         last = torch.tensor([r.num_tokens - 1 for r in reqs], dtype=torch.long)
-        every = torch.arange(len(order), dtype=torch.long)
+        every = torch.arange(len(reqs), dtype=torch.long)
         last_d = last.to(device)
         for j in range(1, k):
             pos = last + j
@@ -352,15 +450,14 @@ class DraftSpeculator(Speculator):
                 logits = chain.forward(current.view(-1, 1).to(device), (last_d + j).view(-1, 1),
                                        first=reqs[0].num_tokens - 1 + j if len(reqs) == 1 else None)[:, 0]
             else:
-                logits = self._forward(current.cpu(), pos, draft_tables, [1] * len(order), (pos + 1).tolist(), every)
+                logits = self._forward(current.cpu(), pos, draft_tables, [1] * len(reqs), (pos + 1).tolist(), every)
             current, p = self._draw(logits, reqs, sampled)
             columns.append(current)
             probs.append(p)
         tokens = torch.stack(columns, dim=1).tolist()  # [n, k]: the one host sync of the drafts
         sampled_row = {j: row for row, j in enumerate(sampled)}
-        by_index: dict[int, Proposal] = {}
-        for j, i in enumerate(order):
+        dists: list[torch.Tensor | None] = []
+        for j in range(len(reqs)):
             row = sampled_row.get(j)
-            dist = None if row is None else torch.stack([step[row] for step in probs])  # type: ignore[index]
-            by_index[i] = Proposal(tokens[j], dist)
-        return [by_index.get(i) for i in inputs.propose_for]
+            dists.append(None if row is None else torch.stack([step[row] for step in probs]))  # type: ignore[index]
+        return tokens, dists
