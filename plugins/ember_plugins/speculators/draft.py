@@ -76,6 +76,7 @@ from ember_platform.api import (
 )
 from ember_plugins.speculators.draft_chain import MAX_QUERY, ChainDecoder
 from ember_plugins.speculators.model_dir import read_model_config
+from ember_plugins.speculators.native_options import native_draft_choice
 
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
@@ -182,8 +183,7 @@ class DraftSpeculator(Speculator):
         # The drafting passes in few ops (draft_chain.py) where the draft is a plain full-precision Llama; else (and
         # for first passes over many tokens) the engine's model code.
         self.chain = ChainDecoder(self.model) if ChainDecoder.supports(self.model) else None
-        self.native = self._native_kernel(self.options.get("native_draft"),
-                                          self.options.get("native_draft_weights", "int8"))
+        self.native = self._native_kernel(*native_draft_choice(self.options, ("int8", "bfloat16", "float32")))
         self._cos = self._sin = torch.empty(0)  # RoPE rows of positions 0.. for the kernel, grown on demand
         self.builders = [builder for b in backends if hasattr(b, "metadata_builder")
                          and (builder := b.metadata_builder(block_size, context.device)) is not None]
@@ -195,16 +195,7 @@ class DraftSpeculator(Speculator):
 
     def _native_kernel(self, wanted: Any, weight_format: Any) -> Any:
         """The bound native kernel (module docstring, `native_draft`), or None for the torch paths."""
-        if wanted is not None and not isinstance(wanted, bool):
-            raise ValueError(f"speculator.options.native_draft must be true or false, got {wanted!r}")
-        formats = ("int8", "bfloat16", "float32")
-        if weight_format not in formats:
-            raise ValueError(f"speculator.options.native_draft_weights must be one of {', '.join(formats)}, got "
-                             f"{weight_format!r}")
         if wanted is False:
-            if "native_draft_weights" in self.options:
-                raise ValueError("speculator.options.native_draft_weights is for the native kernel, which "
-                                 "speculator.options.native_draft = false turns off")
             return None
         why = None
         model = self.model

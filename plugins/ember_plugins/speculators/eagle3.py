@@ -50,6 +50,7 @@ from torch.nn import functional as F
 
 from ember_platform.api import DraftKVSpec, Proposal, Request, Speculator, SpeculatorContext, SpeculatorInputs, write_kv
 from ember_plugins.speculators.model_dir import read_model_config
+from ember_plugins.speculators.native_options import native_draft_choice
 
 CONFIG = "config.json"
 WEIGHTS = "eagle3.safetensors"
@@ -179,21 +180,11 @@ class Eagle3Speculator(Speculator):
         # Per request skipped since: (the first position not written, its num_preemptions then). The gap stays open
         # (it grows with every skipped step, at no cost per step) until a step writes the request's rows again.
         self._open: dict[str, tuple[int, int]] = {}
-        self.native = self._native_kernel(self.options.get("native_draft"),
-                                          self.options.get("native_draft_weights", "int8"))
+        self.native = self._native_kernel(*native_draft_choice(self.options, ("bfloat16", "int8", "float32")))
 
     def _native_kernel(self, wanted: Any, weight_format: Any) -> Any:
         """The bound native kernel (module docstring, `native_draft`), or None for the torch path."""
-        if wanted is not None and not isinstance(wanted, bool):
-            raise ValueError(f"speculator.options.native_draft must be true or false, got {wanted!r}")
-        formats = ("bfloat16", "int8", "float32")
-        if weight_format not in formats:
-            raise ValueError(f"speculator.options.native_draft_weights must be one of {', '.join(formats)}, got "
-                             f"{weight_format!r}")
         if wanted is False:
-            if "native_draft_weights" in self.options:
-                raise ValueError("speculator.options.native_draft_weights is for the native kernel, which "
-                                 "speculator.options.native_draft = false turns off")
             return None
         embed = getattr(self.embed, "weight", None)
         why = None
