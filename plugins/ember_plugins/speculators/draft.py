@@ -76,7 +76,7 @@ from ember_platform.api import (
 )
 from ember_plugins.speculators.draft_chain import MAX_QUERY, ChainDecoder
 from ember_plugins.speculators.model_dir import read_model_config
-from ember_plugins.speculators.native_options import native_draft_choice
+from ember_plugins.speculators.native_options import native_draft_choice, native_kernel_blocker, refuse_if_required
 
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
@@ -185,6 +185,7 @@ class DraftSpeculator(Speculator):
         self.chain = ChainDecoder(self.model) if ChainDecoder.supports(self.model) else None
         self.native = self._native_kernel(*native_draft_choice(self.options, ("int8", "bfloat16", "float32")))
         self._cos = self._sin = torch.empty(0)  # RoPE rows of positions 0.. for the kernel, grown on demand
+        self._kernel_reads_caches = False  # set by bind_kv_cache
         self.builders = [builder for b in backends if hasattr(b, "metadata_builder")
                          and (builder := b.metadata_builder(block_size, context.device)) is not None]
         self._shared_generator = torch.Generator(device=context.device)
@@ -197,26 +198,18 @@ class DraftSpeculator(Speculator):
         """The bound native kernel (module docstring, `native_draft`), or None for the torch paths."""
         if wanted is False:
             return None
-        why = None
         model = self.model
-        if self.context.device.type != "cpu" or self.context.dtype != torch.float32:
-            why = f"it runs on CPU in float32 (this engine: {self.context.device.type}, {self.context.dtype})"
-        elif self.chain is None or any(
-                b is not None for layer in self.chain.layers
-                for b in (layer.qkv_bias, layer.o_bias, layer.gate_up_bias, layer.down_bias)):
-            why = "it runs a plain Llama draft with full-precision linears and no biases"
-        else:
-            try:
-                from ember_kernels.cpu.draft_llama import DraftLlamaKernel, draft_llama_available
-            except ImportError:
-                why = "ember_kernels is not installed"
-            else:
-                if not draft_llama_available():
-                    why = "the native CPU kernels are unavailable on this machine"
+        plain = self.chain is not None and all(
+            b is None for layer in self.chain.layers
+            for b in (layer.qkv_bias, layer.o_bias, layer.gate_up_bias, layer.down_bias))
+        why = native_kernel_blocker(
+            self.context, None if plain else "it runs a plain Llama draft with full-precision linears and no biases",
+            "ember_kernels.cpu.draft_llama", "draft_llama_available")
         if why is not None:
-            if wanted:
-                raise ValueError(f"speculator.options.native_draft is true, but {why}")
+            refuse_if_required(wanted, why)
             return None
+        from ember_kernels.cpu.draft_llama import DraftLlamaKernel
+
         args, inner = model.args, model.model
         weights = {"embed": inner.embed_tokens.weight, "norm": inner.norm.weight, "lm_head": model.lm_head.weight}
         layers = [{"input_layernorm": layer.input_layernorm.weight, "qkv": layer.self_attn.qkv_proj.weight,
@@ -240,6 +233,9 @@ class DraftSpeculator(Speculator):
     def bind_kv_cache(self, kv_caches: list[KVCache]) -> None:
         super().bind_kv_cache(kv_caches)
         self._done.clear()  # a new (or woken, zeroed) cache holds nothing yet
+        # The kernel reads float32 contiguous CPU caches; others (an fp8 KV cache, say) keep the torch paths.
+        self._kernel_reads_caches = all(c.dtype == torch.float32 and c.is_contiguous() and c.is_cpu
+                                        for pair in kv_caches for c in pair[:2])
         if self.chain is not None:
             self.chain.reset()
 
@@ -373,7 +369,7 @@ class DraftSpeculator(Speculator):
             self._done[req.request_id] = (req.block_ids, req.num_tokens - 1)
         by_index: dict[int, Proposal] = {}
         rest = list(range(len(reqs)))
-        if self.native is not None and self._caches_fit_kernel():
+        if self.native is not None and self._kernel_reads_caches:
             # Greedy requests: one kernel call each (a sampled request's drafts are drawn from its generator between
             # passes, so it keeps the torch paths).
             rest = [j for j in rest if not reqs[j].params.greedy]
@@ -388,11 +384,6 @@ class DraftSpeculator(Speculator):
             for j, row, dist in zip(rest, tokens, dists, strict=True):
                 by_index[order[j]] = Proposal(row, dist)
         return [by_index.get(i) for i in inputs.propose_for]
-
-    def _caches_fit_kernel(self) -> bool:
-        """Whether the bound caches are what the kernel reads: float32, contiguous, on the CPU."""
-        return all(c.dtype == torch.float32 and c.is_contiguous() and c.is_cpu for pair in self.kv_caches
-                   for c in pair[:2])
 
     def _native_draft(self, req: Request, start: int, blocks: list[int], k: int) -> list[int]:
         """A greedy request's step on the native kernel: the tokens from `start` on into the cache, k drafts."""

@@ -50,7 +50,7 @@ from torch.nn import functional as F
 
 from ember_platform.api import DraftKVSpec, Proposal, Request, Speculator, SpeculatorContext, SpeculatorInputs, write_kv
 from ember_plugins.speculators.model_dir import read_model_config
-from ember_plugins.speculators.native_options import native_draft_choice
+from ember_plugins.speculators.native_options import native_draft_choice, native_kernel_blocker, refuse_if_required
 
 CONFIG = "config.json"
 WEIGHTS = "eagle3.safetensors"
@@ -187,23 +187,16 @@ class Eagle3Speculator(Speculator):
         if wanted is False:
             return None
         embed = getattr(self.embed, "weight", None)
-        why = None
-        if self.context.device.type != "cpu" or self.context.dtype != torch.float32:
-            why = f"it runs on CPU in float32 (this engine: {self.context.device.type}, {self.context.dtype})"
-        elif self.head_weight is None or not isinstance(embed, torch.Tensor) or embed.dtype != torch.float32:
-            why = "it needs the target's float32 LM head and embeddings (these are quantized or missing)"
-        else:
-            try:
-                from ember_kernels.cpu.eagle3_draft import Eagle3Kernel, eagle3_draft_available
-            except ImportError:
-                why = "ember_kernels is not installed"
-            else:
-                if not eagle3_draft_available():
-                    why = "the native CPU kernels are unavailable on this machine"
+        usable = self.head_weight is not None and isinstance(embed, torch.Tensor) and embed.dtype == torch.float32
+        why = native_kernel_blocker(
+            self.context,
+            None if usable else "it needs the target's float32 LM head and embeddings (these are quantized or missing)",
+            "ember_kernels.cpu.eagle3_draft", "eagle3_draft_available")
         if why is not None:
-            if wanted:
-                raise ValueError(f"speculator.options.native_draft is true, but {why}")
+            refuse_if_required(wanted, why)
             return None
+        from ember_kernels.cpu.eagle3_draft import Eagle3Kernel
+
         d = self.draft
         weights = [d.fc.weight, d.input_layernorm.weight, d.hidden_norm.weight, d._qkv, d.o_proj.weight,
                    d.post_attention_layernorm.weight, d._gate_up, d.down_proj.weight, d.norm.weight,
