@@ -73,7 +73,7 @@ def builders(dtype: Any) -> dict[str, Callable[[Any], Callable[[Any], Any]]]:
         "dense": dense,
         "int8": lambda w: Int8Linear(w, None),
         "int8:native": lambda w: Int8Linear(w, None, "native", -1),
-        "int8:gemm": lambda w: Int8Linear(w, None, "native", 0, amx_threshold=1 << 30),  # W8A8 torch._int_mm
+        "int8:gemm": lambda w: Int8Linear(w, None, "native", 0, amx_threshold=1 << 30),  # W8A8 int8 GEMM
         "int8:amx": lambda w: Int8Linear(w, None, "native", 0, amx_threshold=0),  # amx_gemm where AMX is
         "fp8": lambda w: Fp8Linear(w, None),
         "fp8:native": lambda w: Fp8Linear(w, None, "native", -1),

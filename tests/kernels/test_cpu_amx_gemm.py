@@ -1,4 +1,5 @@
-"""The AMX tile paths (amx_gemm.c): `amx_gemm` for int8 and e4m3 weights against the float32 reference (every e4m3
+"""The AMX tile paths (amx_gemm.c): the W8A8 int8 GEMM on AMX-INT8 exact against integer arithmetic, `amx_gemm` for
+int8 and e4m3 weights against the float32 reference (every e4m3
 code, shapes with tails in rows, outputs and inputs), `amx_int4_linear` against int4's bf16 dequantization, bf16
 out as the float32 result rounded, a row's result bit for bit the same in any batch, and the fp8, int8 and int4
 layers handing bf16 batches above their thresholds to these kernels."""
@@ -10,14 +11,21 @@ from collections.abc import Callable
 import pytest
 import torch
 
+import ember_kernels.cpu.quantized_linear as quantized_linear
 import ember_plugins.quantization.fp8 as fp8_module
 import ember_plugins.quantization.int4 as int4_module
 import ember_plugins.quantization.int8 as int8_module
 from ember_kernels.cpu.int4_linear import amx_int4_linear, int4_pack
-from ember_kernels.cpu.quantized_linear import amx_available, amx_gemm, quantized_linear_reference
+from ember_kernels.cpu.quantized_linear import (
+    amx_available,
+    amx_gemm,
+    amx_int8_available,
+    int8_gemm,
+    quantized_linear_reference,
+)
 from ember_plugins.quantization.fp8 import TILED_THRESHOLD, Fp8Linear
 from ember_plugins.quantization.int4 import AMX_ROWS, Int4Linear, quantize_rtn
-from ember_plugins.quantization.int8 import AMX_THRESHOLD, Int8Linear
+from ember_plugins.quantization.int8 import AMX_THRESHOLD, NATIVE_GEMM_THRESHOLD, Int8Linear
 
 Operands = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # the `operands` fixture (conftest.py)
 pytestmark = pytest.mark.skipif(not amx_available(), reason="no AMX here (CPU or OS)")
@@ -110,7 +118,9 @@ def test_layers_hand_bf16_batches_above_their_thresholds_to_amx(monkeypatch: pyt
     gen = torch.Generator().manual_seed(4)
     weight = torch.randn(96, 128, generator=gen) * 0.05
     cases = [(Fp8Linear(weight.bfloat16(), None), fp8_module, "amx_gemm", TILED_THRESHOLD[torch.bfloat16]),
-             (Int8Linear(weight.bfloat16(), None), int8_module, "amx_gemm", AMX_THRESHOLD),
+             # where the int8 GEMM runs on AMX-INT8 (below), int8's batches go to it instead, from a few rows
+             (Int8Linear(weight.bfloat16(), None), int8_module, "int8_gemm", NATIVE_GEMM_THRESHOLD)
+             if amx_int8_available() else (Int8Linear(weight.bfloat16(), None), int8_module, "amx_gemm", AMX_THRESHOLD),
              (Int4Linear(quantize_rtn(weight, 64)), int4_module, "amx_int4_linear", AMX_ROWS)]
     for layer, module, name, threshold in cases:
         calls = counting(monkeypatch, module, name)
@@ -122,3 +132,40 @@ def test_layers_hand_bf16_batches_above_their_thresholds_to_amx(monkeypatch: pyt
         # and the AMX result is the layer's map: close to the dequantized weights' product
         expected = x.float() @ (weight if module is int4_module else weight.bfloat16().float()).T
         torch.testing.assert_close(y_large.float(), expected, rtol=0.1, atol=0.1 * float(expected.abs().max()))
+
+
+@pytest.mark.skipif(not amx_int8_available(), reason="no AMX-INT8 here")
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 70])
+@pytest.mark.parametrize(("out_features", "in_features"), [*SHAPES, (130, 300)])
+def test_int8_gemm_on_amx_int8_is_exact_integer_arithmetic(monkeypatch: pytest.MonkeyPatch, rows: int,
+                                                            out_features: int, in_features: int) -> None:
+    calls = []
+    real = quantized_linear.native_function
+
+    def spied(symbol: str, argtypes: list) -> object:
+        fn = real(symbol, argtypes)
+        if symbol != "ember_amx_int8_gemm" or fn is None:
+            return fn
+
+        def counted(*args: object) -> int:
+            calls.append(args[6])  # M
+            return fn(*args)
+
+        return counted
+
+    monkeypatch.setattr(quantized_linear, "native_function", spied)
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    qweight = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    scale = torch.rand(out_features, generator=gen) * 0.01 + 1e-4
+    out = int8_gemm(x, qweight, scale, torch.float32)
+    assert calls == [rows]  # the tile unit ran it
+    # The same activation rounding as the reference, then integer sums (exact in float64 at these sizes) scaled
+    # in the kernel's order: bit for bit.
+    row_scale = x.float().abs().amax(dim=1, keepdim=True).div_(127.0).clamp_min_(torch.finfo(torch.float32).tiny)
+    xq = torch.round(x.float() / row_scale)
+    sums = (xq.double() @ qweight.double().T).float()
+    assert torch.equal(out, sums.mul_(row_scale).mul_(scale))
+    assert torch.equal(int8_gemm(x, qweight, scale, torch.bfloat16), out.bfloat16())
+    if rows > 1:  # a row's result is the same in any batch
+        assert torch.equal(int8_gemm(x[1:2], qweight, scale, torch.float32), out[1:2])

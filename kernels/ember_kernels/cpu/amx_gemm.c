@@ -337,6 +337,175 @@ int ember_amx_gemm_int4(const uint16_t *x, const uint8_t *w, const float *sc, co
     return amx_gemm(x, &wt, NULL, y, y_bf16, M, N, K, num_threads);
 }
 
+#if defined(__AMX_INT8__)
+/* `ember_amx_int8_gemm`: y[M, N] = ((float)(xq[M, K] @ w[N, K].T) * row_scale[M]) * scale[N], int8 x int8 with
+ * exact int32 sums on the tile unit (TDPBSSD: 16 x 16 x 64 products per instruction, twice TDPBF16PS's): the W8A8
+ * path of the int8 linear (x quantized per row by `ember_quantize_rows_int8`, the map of `int8_gemm`, rounding for
+ * rounding: its sums are exact, its two scalings in the same order). Where bf16 needs its weights widened, int8
+ * weights are only regrouped (4 inputs of a row per 32-bit lane, 16 rows transposed in registers), and a tile of
+ * either operand holds twice the products: a prefill chunk runs about twice as fast as the bf16 GEMM could.
+ * Layout: xp[M32][XS] bytes (rows padded to 32, columns to 64, zeros); a work item is NB weight rows regrouped into
+ * wv[NB / 16][K64 / 64][16 quads][16 rows][4]. Returns as `ember_amx_gemm`. */
+static void regroup_block_int8(const int8_t *w, int64_t N, int64_t K, int64_t K64, int64_t n0, int8_t *wv) {
+    const int64_t KC = K64 / 64;
+    for (int s = 0; s < NB / 16; s++) {
+        int8_t *dst = wv + (int64_t)s * KC * 1024;
+        const int64_t first = n0 + s * 16;
+        if (first >= N) {
+            memset(dst, 0, (size_t)KC * 1024);
+            continue;
+        }
+        const int rows = N - first < 16 ? (int)(N - first) : 16;
+        for (int64_t c = 0; c < KC; c++) {
+            __m512i r[16];
+            const int64_t k0 = c * 64, n = K - k0 < 64 ? K - k0 : 64;
+            const __mmask64 mask = n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1);
+            for (int j = 0; j < 16; j++) {
+                const int8_t *src = w + (first + j) * K + k0;
+                if (j < rows) _mm_prefetch((const char *)(src + 512), _MM_HINT_T0); /* 16 row streams */
+                r[j] = j < rows ? _mm512_maskz_loadu_epi8(mask, src) : _mm512_setzero_si512();
+            }
+            transpose16(r); /* r[q] = inputs 4q..4q+3 of each of the 16 rows: one row of the B tile */
+            for (int q = 0; q < 16; q++) _mm512_storeu_si512(dst + c * 1024 + q * 64, r[q]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void store_tile_int32(const int32_t *acc, const float *row_scale,
+                                                                   const float *scale, void *y, int y_bf16,
+                                                                   int64_t M, int64_t N, int64_t m0, int64_t n0) {
+    if (n0 >= N) return;
+    const int nn = N - n0 < 16 ? (int)(N - n0) : 16;
+    const __mmask16 mask = (__mmask16)((1u << nn) - 1);
+    const __m512 s = _mm512_maskz_loadu_ps(mask, scale + n0);
+    for (int i = 0; i < 16 && m0 + i < M; i++) {
+        const __m512 v = _mm512_mul_ps(
+            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + i * 16)), _mm512_set1_ps(row_scale[m0 + i])),
+            s);
+        const int64_t at = (m0 + i) * N + n0;
+        if (y_bf16) {
+            const __m512i u = _mm512_castps_si512(v);
+            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+            __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+            r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+            _mm256_mask_storeu_epi16((uint16_t *)y + at, mask, _mm512_cvtepi32_epi16(r));
+        } else {
+            _mm512_mask_storeu_ps((float *)y + at, mask, v);
+        }
+    }
+}
+
+int ember_amx_int8_gemm(const int8_t *xq, const float *row_scale, const int8_t *w, const float *scale, void *y,
+                        int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
+    if (M < 1 || N < 1 || K < 1) return 1;
+    if (!ember_amx_available()) return 3;
+    if (num_threads < 1) num_threads = 1;
+    const int64_t K64 = (K + 63) / 64 * 64, M32 = (M + 31) / 32 * 32, KC = K64 / 64;
+    const int64_t XS = K64 + 64; /* one cache line past K64: see amx_gemm */
+    int8_t *xp = aligned_alloc(64, (size_t)(M32 * XS));
+    if (!xp) return 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (M * K >= (1 << 16))
+    for (int64_t m = 0; m < M32; m++) {
+        int8_t *dst = xp + m * XS;
+        if (m < M) {
+            memcpy(dst, xq + m * K, (size_t)K);
+            memset(dst + K, 0, (size_t)(K64 - K));
+        } else {
+            memset(dst, 0, (size_t)K64);
+        }
+    }
+    const int64_t num_blocks = (N + NB - 1) / NB;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int8_t *wv = aligned_alloc(64, (size_t)(NB * K64));
+        int32_t acc[4][256] __attribute__((aligned(64)));
+        if (!wv) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            configure_tiles(); /* the same shapes: 16 rows of 64 bytes for every tile */
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < num_blocks; b++) {
+            if (!wv) continue;
+            const int64_t n0 = b * NB;
+            regroup_block_int8(w, N, K, K64, n0, wv);
+            const int subs = (int)((N - n0 + 15) / 16 < NB / 16 ? (N - n0 + 15) / 16 : NB / 16);
+            for (int64_t m0 = 0; m0 < M32; m0 += 32) {
+                const int8_t *a0 = xp + m0 * XS, *a1 = a0 + 16 * XS;
+                for (int s = 0; s < subs; s += 2) {
+                    const int8_t *b0 = wv + (int64_t)s * KC * 1024, *b1 = b0 + KC * 1024;
+                    const int two = s + 1 < subs;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    const int8_t *next = s == 0 && m0 + 32 < M32 ? a0 + 32 * XS : NULL;
+                    if (m0 + 16 < M) {
+                        for (int64_t c = 0; c < KC; c++) {
+                            if (next)
+                                for (int r = 0; r < 32; r++)
+                                    _mm_prefetch((const char *)(next + r * XS + c * 64), _MM_HINT_T1);
+                            _tile_loadd(4, a0 + c * 64, XS);
+                            _tile_loadd(5, a1 + c * 64, XS);
+                            _tile_loadd(6, b0 + c * 1024, 64);
+                            _tile_dpbssd(0, 4, 6);
+                            _tile_dpbssd(2, 5, 6);
+                            if (two) {
+                                _tile_loadd(7, b1 + c * 1024, 64);
+                                _tile_dpbssd(1, 4, 7);
+                                _tile_dpbssd(3, 5, 7);
+                            }
+                        }
+                    } else { /* the last rows fit one A tile */
+                        for (int64_t c = 0; c < KC; c++) {
+                            _tile_loadd(4, a0 + c * 64, XS);
+                            _tile_loadd(6, b0 + c * 1024, 64);
+                            _tile_dpbssd(0, 4, 6);
+                            if (two) {
+                                _tile_loadd(7, b1 + c * 1024, 64);
+                                _tile_dpbssd(1, 4, 7);
+                            }
+                        }
+                    }
+                    const int64_t nA = n0 + s * 16;
+                    _tile_stored(0, acc[0], 64);
+                    store_tile_int32(acc[0], row_scale, scale, y, y_bf16, M, N, m0, nA);
+                    if (two) {
+                        _tile_stored(1, acc[1], 64);
+                        store_tile_int32(acc[1], row_scale, scale, y, y_bf16, M, N, m0, nA + 16);
+                    }
+                    if (m0 + 16 < M) {
+                        _tile_stored(2, acc[2], 64);
+                        store_tile_int32(acc[2], row_scale, scale, y, y_bf16, M, N, m0 + 16, nA);
+                        if (two) {
+                            _tile_stored(3, acc[3], 64);
+                            store_tile_int32(acc[3], row_scale, scale, y, y_bf16, M, N, m0 + 16, nA + 16);
+                        }
+                    }
+                }
+            }
+        }
+        _tile_release();
+        free(wv);
+    }
+    free(xp);
+    return failed ? 2 : 0;
+}
+
+int ember_amx_int8_available(void) { return ember_amx_available(); }
+#else
+int ember_amx_int8_available(void) { return 0; }
+
+int ember_amx_int8_gemm(const int8_t *xq, const float *row_scale, const int8_t *w, const float *scale, void *y,
+                        int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
+    (void)xq, (void)row_scale, (void)w, (void)scale, (void)y, (void)y_bf16, (void)M, (void)N, (void)K,
+        (void)num_threads;
+    return 3;
+}
+#endif
+
 #else
 int ember_amx_available(void) { return 0; }
 
@@ -349,6 +518,15 @@ int ember_amx_gemm_int4(const uint16_t *x, const uint8_t *w, const float *sc, co
 int ember_amx_gemm(const uint16_t *x, const uint8_t *w, int kind, const float *scale, void *y, int y_bf16,
                    int64_t M, int64_t N, int64_t K, int num_threads) {
     (void)x, (void)w, (void)kind, (void)scale, (void)y, (void)y_bf16, (void)M, (void)N, (void)K, (void)num_threads;
+    return 3;
+}
+
+int ember_amx_int8_available(void) { return 0; }
+
+int ember_amx_int8_gemm(const int8_t *xq, const float *row_scale, const int8_t *w, const float *scale, void *y,
+                        int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
+    (void)xq, (void)row_scale, (void)w, (void)scale, (void)y, (void)y_bf16, (void)M, (void)N, (void)K,
+        (void)num_threads;
     return 3;
 }
 #endif

@@ -6,8 +6,9 @@ Two ways to compute x @ (qweight * scale).T, and which is faster depends on the 
 * `fp8_linear` (and `int8_linear` in `int8_linear.py`): the weights streamed once for all rows and widened in
   registers. Bound by the weights' bytes at a few rows, which is where a quantized weight wins; beyond that
   its 8-lane float32 FMAs (and the widening per 4 rows) fall behind a GEMM library.
-* `int8_gemm` (int8 weights only): each row of x quantized to int8 with its own scale, then torch's int8 GEMM
-  (`torch._int_mm`: oneDNN's VNNI kernels, four multiply-adds per lane where bf16 does two), the int32 sums
+* `int8_gemm` (int8 weights only): each row of x quantized to int8 with its own scale, then an exact int8 GEMM
+  (on CPUs with AMX-INT8 `ember_amx_int8_gemm`'s TDPBSSD, twice TDPBF16PS's products per instruction; else
+  `torch._int_mm`: oneDNN's VNNI kernels, four multiply-adds per lane where bf16 does two), the int32 sums
   scaled back per row and channel. W8A8, so its numbers differ slightly from the weight-only kernels'.
 * `bf16_gemm` (bf16 activations, CPUs with AVX512_BF16): a tile of 12 weight rows at a time widened exactly into
   bf16 in a per-thread buffer, and vdpbf16ps dot products (16 float32 lanes of two bf16 products each) with the
@@ -40,6 +41,7 @@ _WIDEN_ARGTYPES = [_PTR, _INT, _PTR, _INT, _I64, _INT]
 _QUANTIZE_ROWS_ARGTYPES = [_PTR, _INT, _PTR, _PTR, _I64, _I64, _INT]
 _SCALE_ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _INT, _I64, _I64, _INT]
 _BF16_GEMM_ARGTYPES = [_PTR, _PTR, _INT, _PTR, _PTR, _INT, _I64, _I64, _I64, _INT]
+_AMX_INT8_ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _INT]
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write as is
 _KINDS = {torch.int8: 0, torch.float8_e4m3fn: 1}
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -158,6 +160,13 @@ def amx_available() -> bool:
     return fn is not None and bool(fn())  # type: ignore[operator]
 
 
+def amx_int8_available() -> bool:
+    """Whether `int8_gemm` runs its GEMM on the tile unit (TDPBSSD, amx_gemm.c): a library built for a CPU with
+    AMX-INT8, and the OS granting this process the tile registers."""
+    fn = native_function("ember_amx_int8_available", [])
+    return fn is not None and bool(fn())  # type: ignore[operator]
+
+
 def amx_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
     """`bf16_gemm`'s map (bf16 x, int8 or float8_e4m3fn weights widened exactly, float32 sums, a row's result
@@ -206,9 +215,15 @@ def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     row_scale = torch.empty(num_rows, dtype=torch.float32)
     quantize(x.data_ptr(), x.dtype == torch.bfloat16, xq.data_ptr(), row_scale.data_ptr(), num_rows, in_features,
              threads)  # type: ignore[operator]
-    acc = torch._int_mm(xq, qweight.t())
     kernel_dtype = out_dtype if out_dtype in _NATIVE_DTYPES else torch.float32
     y = torch.empty(num_rows, qweight.shape[0], dtype=kernel_dtype)
+    if amx_int8_available():  # the same sums on the tile unit, scaled in the same order as it writes them
+        amx = native_function("ember_amx_int8_gemm", _AMX_INT8_ARGTYPES)
+        rc = amx(xq.data_ptr(), row_scale.data_ptr(), qweight.data_ptr(), scale.data_ptr(),  # type: ignore[misc]
+                 y.data_ptr(), kernel_dtype == torch.bfloat16, num_rows, qweight.shape[0], in_features, threads)
+        if rc == 0:
+            return y if kernel_dtype == out_dtype else y.to(out_dtype)
+    acc = torch._int_mm(xq, qweight.t())
     rescale(acc.data_ptr(), row_scale.data_ptr(), scale.data_ptr(), y.data_ptr(),  # type: ignore[operator]
             kernel_dtype == torch.bfloat16, num_rows, qweight.shape[0], threads)
     return y if kernel_dtype == out_dtype else y.to(out_dtype)

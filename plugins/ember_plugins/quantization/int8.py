@@ -25,9 +25,9 @@ of bf16) is the whole win, if the kernel streams int8 at memory speed. Kernels, 
   `torch._int_mm` (oneDNN's VNNI int8 kernels: four multiply-adds per lane where bf16 does two), int32 sums
   scaled back per row and channel. Measured 2.2-2.4x the bf16 GEMM at 16-512 rows on an AVX-512 VNNI EPYC; no
   dequantized copy of the weights is made. Prefill chunks and large batches so run W8A8 (held-out loss: see
-  bench/eval_int8_quality.py), decode weight-only. On CPUs with AMX, bf16 batches above `AMX_THRESHOLD` rows go
-  to `amx_gemm` instead (weight-only: the weights widened exactly to bf16 in the tile unit's layout), where oneDNN's
-  bf16 GEMM runs on the tile unit and the int8 GEMM falls behind it.
+  bench/eval_int8_quality.py), decode weight-only. On CPUs with AMX-INT8 the int8 GEMM runs on the tile unit
+  (`ember_amx_int8_gemm`, the same sums exactly); on one with AMX-BF16 alone, bf16 batches above `AMX_THRESHOLD`
+  rows go to `amx_gemm` instead (weight-only, the weights widened exactly to bf16 in the tile layout).
 
 Every kernel gives a row the same result whatever else is in the batch, so batching and speculative
 verification never change a request's numerics.
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember_kernels.cpu.int8_linear import int8_linear, int8_linear_available
-from ember_kernels.cpu.quantized_linear import amx_gemm, int8_gemm
+from ember_kernels.cpu.quantized_linear import amx_gemm, amx_int8_available, int8_gemm
 from ember_platform.api import UNQUANTIZED, Linear, LinearMethod, LinearSpec, Quantizer, skipped
 from ember_plugins.quantization.options import INT8_KERNELS, check_int8
 from ember_plugins.quantization.options import checked as checked_options
@@ -57,11 +57,14 @@ INT8PACK_DENSE_THRESHOLD = 32
 # llama-150m's shapes (bench/bench_quantized_linear.py), on a 2-core AVX-512 EPYC.
 # The int8 GEMM was ahead from 8 rows, bf16 and float32 activations alike.
 NATIVE_GEMM_THRESHOLD = 4
-# Rows above which the GEMM path runs on AMX (`amx_gemm`: bf16 activations, weights widened exactly to bf16 in the
-# tile unit's layout, weight-only) instead of the int8 GEMM, on CPUs with AMX: oneDNN's bf16 GEMM runs on the tile
-# unit there, and the int8 GEMM (its quantize and rescale passes around torch._int_mm) falls behind it on prefill
-# chunks. Measured on llama-150m's shapes, Xeon with AMX, 2 threads (bench/bench_quantized_linear.py --paths).
+# Rows above which the GEMM path runs `amx_gemm` (bf16 activations, weights widened exactly to bf16 in the tile
+# unit's layout, weight-only) instead of the int8 GEMM, on CPUs with AMX-BF16 but not AMX-INT8 (none Intel sells:
+# the two came together): there oneDNN's bf16 GEMM runs on the tile unit and torch._int_mm fell behind it on
+# prefill chunks. With AMX-INT8 the int8 GEMM runs on the tile unit itself (TDPBSSD, twice TDPBF16PS's products)
+# and beats both at every size above a few rows: on llama-150m's shapes, 2 threads, quiet Xeon (fastest of 3,
+# bench_quantized_linear.py --paths), 1.51-1.96x dense at 8-2048 rows where amx_gemm ran 1.03-1.70x.
 AMX_THRESHOLD = 64
+NEVER = 1 << 62  # rows: the default AMX threshold where the int8 GEMM runs on AMX-INT8
 
 
 def fbgemm_available() -> bool:
@@ -164,7 +167,8 @@ class Int8LinearMethod(LinearMethod):
         if threshold is None and self.default_dense:
             threshold = {"int8pack": INT8PACK_DENSE_THRESHOLD, "native": NATIVE_GEMM_THRESHOLD}.get(kernel)
         layer.dense_threshold = None if threshold is None or threshold < 0 else threshold
-        layer.amx_threshold = AMX_THRESHOLD if self.amx_threshold is None else self.amx_threshold
+        layer.amx_threshold = self.amx_threshold if self.amx_threshold is not None else (
+            NEVER if amx_int8_available() else AMX_THRESHOLD)
         layer._dense = None  # dequantized weight, made on the first large batch
         if kernel == "fbgemm":
             layer._packed = _fbgemm_prepack(layer.weight.cpu(), layer.weight_scale.cpu())
