@@ -16,7 +16,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = ("paged_attention.c", "quantized_linear.c", "dense_linear.c", "fused_ops.c", "int4_linear.c",
-           "eagle3_draft.c", "draft_llama.c", "amx_gemm.c")
+           "eagle3_draft.c", "draft_llama.c", "amx_gemm.c", "hadamard.c")
 HEADERS = ("simd.h", "draft_ops.h")  # included by the sources: part of the cache key
 # -march=native: the library is built on the machine that runs it (the cache key includes the CPU).
 # No -ffast-math: it would let the compiler drop the -inf handling the softmax relies on.

@@ -90,3 +90,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     if fn(x.data_ptr(), out.data_ptr(), rows, inter, dtype, torch.get_num_threads()) != 0:
         return None
     return out if x.dim() == 2 else out.view(*x.shape[:-1], inter)
+
+
+_GATHER_ARGS = [_PTR, _PTR, _PTR, _I64, _I64, _INT, _INT]
+
+
+def gather_columns(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor | None:
+    """x[:, order] for contiguous 2-D CPU x of 2- or 4-byte elements and an int32 `order` of x's columns whose
+    entries the caller has checked to lie in 0..cols-1 (the kernel does not, per call); None if not supported."""
+    fn = native_function("ember_gather_columns", _GATHER_ARGS)
+    esize = x.element_size()
+    if (fn is None or not x.is_cpu or x.dim() != 2 or not x.is_contiguous() or esize not in (2, 4)
+            or order.dtype != torch.int32 or order.shape != (x.shape[1],) or not order.is_contiguous()):
+        return None
+    out = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype)
+    if fn(x.data_ptr(), out.data_ptr(), order.data_ptr(), x.shape[0], x.shape[1], esize,
+          torch.get_num_threads()) != 0:
+        return None
+    return out

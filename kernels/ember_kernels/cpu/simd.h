@@ -54,6 +54,29 @@ static inline __m256 load8_as_f32(const void *p, int64_t i, int bf16) {
     return _mm256_loadu_ps((const float *)p + i);
 }
 
+/* 8 floats as a tensor of the dtype holds them: for bf16, f32_to_bf16 on 8 lanes, kept in the high half of each
+ * float; float32 unchanged. */
+static inline __m256 rnd8(__m256 v, const int bf16) {
+    if (!bf16) return v;
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
+                            _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+/* 8 floats stored from i of a float32 or bfloat16 (rounded as rnd8) array. */
+static inline void store8(void *p, int64_t i, __m256 v, const int bf16) {
+    if (bf16) {
+        const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(rnd8(v, 1)), 16);
+        _mm_storeu_si128((__m128i *)((uint16_t *)p + i),
+                         _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+    } else {
+        _mm256_storeu_ps((float *)p + i, v);
+    }
+}
+
 /* exp of 8 floats, Cephes-style: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial in r, then
  * 2^n through exponent bits, applied as two halves so that n = -126 and n = 128 stay representable.
  * Within ~1 ulp of expf (torch's vectorized exp is too); glibc's expf is scalar only. Below -87.3 it

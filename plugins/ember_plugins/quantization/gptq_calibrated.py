@@ -36,6 +36,7 @@ from ember_platform.api import (
 from ember_plugins.quantization.gptq_int4 import gptq_tensors
 from ember_plugins.quantization.gptq_quantize import QuantizedWeight, gptq_quantize
 from ember_plugins.quantization.gptq_sequential import calibrate_sequentially
+from ember_plugins.quantization.int4 import in_input_order
 from ember_plugins.quantization.int8 import Int8LinearMethod
 from ember_plugins.quantization.options import GPTQSettings
 
@@ -112,7 +113,9 @@ class GPTQCalibratedMethod(GPTQStoredMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         order = layer.__dict__.get("int4_input_order")  # act-order int4, moved out of the parameters above
-        return self.storage.apply(layer, x if order is None else x.index_select(-1, order), bias)
+        if order is not None:
+            x = in_input_order(x.reshape(-1, layer.in_features), order).view(*x.shape)
+        return self.storage.apply(layer, x, bias)
 
 
 def int8_tensors(result: QuantizedWeight, dtype: torch.dtype) -> dict[str, torch.Tensor]:
