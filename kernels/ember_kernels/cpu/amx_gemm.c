@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 #define KIND_INT8 0
 #define KIND_E4M3 1
 #define KIND_INT4 2
@@ -57,33 +59,6 @@ static void configure_tiles(void) {
         cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
-}
-
-/* 16 rows of 16 dwords transposed in registers: r[i] lane j <- r[j] lane i. */
-static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    /* Now r[4b + q] holds, in each 128-bit lane L, the dwords (row 4b..4b+3, column 4L + q). */
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);      /* lanes 0, 2 of r[i], then of r[i + 4] */
-        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);  /* lanes 1, 3 */
-        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-    }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    }
-    /* r[i] is now column i: the transpose. */
 }
 
 /* e4m3 magnitudes (7 bits) as bf16 bits: exact (3 mantissa bits), looked up 32 at a time from 4 registers. */

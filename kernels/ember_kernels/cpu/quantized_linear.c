@@ -308,6 +308,7 @@ int ember_scale_int32(const int32_t *acc, const float *row_scale, const float *c
  * 32 registers. Measured against 8 x 3, 6 x 4 and 16 x 1 at 16-512 rows: 12 x 2 was as fast or faster. */
 #define BG_NT 12
 #define BG_MV 2
+#define BG_X_BYTES (768 * 1024) /* interleaved x per block of rows: most of a 1 MB L2, the smallest of the targets */
 
 int ember_bf16_gemm_available(void) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -377,13 +378,26 @@ int ember_bf16_gemm(const uint16_t *x, const uint8_t *w, int kind, const float *
     const int64_t P = (K + 1) / 2, Mb = (M + L - 1) / L;
     uint32_t *xi = aligned_alloc(64, (size_t)((Mb * P * L * 4 + 63) / 64 * 64)); /* a multiple of the alignment */
     if (!xi) return 2;
+    /* Full pairs of every row, 16 at a time: 16 rows' 64 bytes loaded and transposed in registers (a pair is one
+     * dword, so row-major x is already paired). The scalar loop was a third of the call at 1536 outputs and 2048
+     * rows (7.5 ms of 20.6 on 2 threads): strided 4-byte stores, a cache line each. */
+    const int64_t P16 = (K / 2) / 16 * 16;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (M * K >= MIN_PARALLEL_ELEMENTS)
     for (int64_t mb = 0; mb < Mb; mb++) {
         uint32_t *dst = xi + mb * P * L;
+        for (int64_t p0 = 0; p0 < P16; p0 += 16) {
+            __m512i r[16];
+            for (int l = 0; l < L; l++) {
+                const int64_t m = mb * L + l;
+                r[l] = m < M ? _mm512_loadu_si512(x + m * K + 2 * p0) : _mm512_setzero_si512();
+            }
+            transpose16(r);
+            for (int j = 0; j < 16; j++) _mm512_store_si512(dst + (p0 + j) * L, r[j]);
+        }
         for (int l = 0; l < L; l++) {
             const int64_t m = mb * L + l;
             const uint16_t *row = x + m * K;
-            for (int64_t p = 0; p < P; p++) {
+            for (int64_t p = P16; p < P; p++) {
                 uint32_t lo = 0, hi = 0;
                 if (m < M) {
                     lo = row[2 * p];
@@ -394,6 +408,10 @@ int ember_bf16_gemm(const uint16_t *x, const uint8_t *w, int kind, const float *
         }
     }
     const int64_t num_tiles = (N + BG_NT - 1) / BG_NT;
+    /* Rows of x per block, in vectors of 16 and a multiple of BG_MV: as many as BG_X_BYTES hold, at least 64. */
+    int64_t block_mb = BG_X_BYTES / (P * L * 4) / BG_MV * BG_MV;
+    if (block_mb < 4) block_mb = 4;
+    const int64_t num_blocks = (Mb + block_mb - 1) / block_mb;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -403,29 +421,41 @@ int ember_bf16_gemm(const uint16_t *x, const uint8_t *w, int kind, const float *
 #pragma omp atomic write
             failed = 1;
         }
-        /* Dynamic chunks of 4 tiles (48 weight rows): on a shared machine a thread the OS preempts would hold the
-         * whole call back under a static split (measured: 1.16x vs 0.75-1.0x dense at 512 rows, load average 11). */
+        /* Work items (block of rows of x, tile), tiles fastest: the threads share one block of x at a time, which
+         * stays in L2 (BG_X_BYTES) while every tile passes over it, and each item widens its tile again (a few
+         * percent of its arithmetic). One block of all rows streamed the whole of x from L3 or memory per tile:
+         * at 2048 rows gate_up ran 0.5x dense. Dynamic chunks of 4 items: on a shared machine a thread the OS
+         * preempts would hold the whole call back under a static split (measured: 1.16x vs 0.75-1.0x dense at 512
+         * rows, load average 11). */
+        const int64_t num_items = num_blocks * num_tiles;
+        int64_t widened = -1; /* the tile in wb: consecutive items of one thread often share it */
 #pragma omp for schedule(dynamic, 4)
-        for (int64_t t = 0; t < num_tiles; t++) {
+        for (int64_t item = 0; item < num_items; item++) {
             if (!wb) continue;
+            const int64_t t = item % num_tiles, blk = item / num_tiles;
             const int64_t n0 = t * BG_NT;
-            for (int j = 0; j < BG_NT; j++) {
-                uint16_t *row = wb + j * 2 * P;
-                if (n0 + j >= N) {
-                    memset(row, 0, (size_t)(2 * P * 2));
-                    continue;
+            if (t != widened) {
+                for (int j = 0; j < BG_NT; j++) {
+                    uint16_t *row = wb + j * 2 * P;
+                    if (n0 + j >= N) {
+                        memset(row, 0, (size_t)(2 * P * 2));
+                        continue;
+                    }
+                    const uint8_t *src = w + (n0 + j) * K;
+                    if (kind == KIND_E4M3) widen_e4m3_bf16_avx512(src, row, 0, K);
+                    else widen_span(src, row, 1, 0, K, KIND_INT8);
+                    if (K & 1) row[K] = 0;
                 }
-                const uint8_t *src = w + (n0 + j) * K;
-                if (kind == KIND_E4M3) widen_e4m3_bf16_avx512(src, row, 0, K);
-                else widen_span(src, row, 1, 0, K, KIND_INT8);
-                if (K & 1) row[K] = 0;
+                widened = t;
             }
             /* prefetched during the first pass over the rows of x: the next tile, this thread's unless its chunk ends */
             const uint8_t *next = t + 1 < num_tiles ? w + (n0 + BG_NT) * K : NULL;
-            for (int64_t mb0 = 0; mb0 < Mb; mb0 += BG_MV) {
-                switch (Mb - mb0 < BG_MV ? Mb - mb0 : BG_MV) { /* constant counts: accumulators in registers */
-                    case 2: bg_tile(xi, (const uint32_t *)wb, P, scale, y, y_bf16, M, N, n0, mb0, 2, mb0 == 0 ? next : NULL); break;
-                    default: bg_tile(xi, (const uint32_t *)wb, P, scale, y, y_bf16, M, N, n0, mb0, 1, mb0 == 0 ? next : NULL); break;
+            const int64_t mb_end = (blk + 1) * block_mb < Mb ? (blk + 1) * block_mb : Mb;
+            for (int64_t mb0 = blk * block_mb; mb0 < mb_end; mb0 += BG_MV) {
+                const int64_t first = blk * block_mb;
+                switch (mb_end - mb0 < BG_MV ? mb_end - mb0 : BG_MV) { /* constant counts: accumulators in registers */
+                    case 2: bg_tile(xi, (const uint32_t *)wb, P, scale, y, y_bf16, M, N, n0, mb0, 2, mb0 == first ? next : NULL); break;
+                    default: bg_tile(xi, (const uint32_t *)wb, P, scale, y, y_bf16, M, N, n0, mb0, 1, mb0 == first ? next : NULL); break;
                 }
             }
         }
