@@ -73,3 +73,18 @@ def test_float32_activations_are_left_to_the_other_paths(operands: Operands) -> 
         bf16_gemm(x, qweight.float(), scale)
     with pytest.raises(ValueError, match="do not fit"):
         bf16_gemm(x[:, :8], qweight, scale)
+
+
+@pytest.mark.parametrize("kind", [torch.int8, torch.float8_e4m3fn])
+def test_rows_across_the_kernels_blocks_of_rows_are_each_their_own(kind: torch.dtype, operands: Operands) -> None:
+    # 1,000 rows of 1,030 inputs: blocks of 352 rows of x kept in L2 (BG_X_BYTES), the last one partial; every row the
+    # same as alone, in float32 and bf16, and the whole within the reference's rounding.
+    x, qweight, scale = operands(1000, 37, 1030, kind)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        together = bf16_gemm(x, qweight, scale, out_dtype)
+        assert together is not None
+        for row in (0, 351, 352, 353, 703, 704, 999):
+            assert torch.equal(bf16_gemm(x[row:row + 1], qweight, scale, out_dtype), together[row:row + 1])
+    expected = quantized_linear_reference(x, qweight, scale)
+    out = bf16_gemm(x, qweight, scale, torch.float32)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))

@@ -193,3 +193,23 @@ def test_a_cpu_kernel_is_refused_off_the_cpu_and_triton_off_cuda(monkeypatch: py
         Int4Linear(q, None, "triton")
     with pytest.raises(ValueError, match=r"quantization.options.kernel = 'native' runs on CPUs; this model is on meta"):
         int4_module.resolve_kernel("native", torch.device("meta"), q)
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_across_the_kernels_blocks_of_rows_are_each_their_own(dtype: torch.dtype) -> None:
+    # 1,100 rows of 1,024 inputs: the kernel's blocks of 512 rows (XQ_BLOCK_BYTES of quantized activations), the
+    # last one partial; outputs a block and a tail of 16 (37); every row as alone (one row is one block: a row
+    # read from the wrong block, or outputs stored at the wrong place, would differ).
+    from ember_kernels.cpu.int4_linear import int4_linear
+
+    gen = torch.Generator().manual_seed(5)
+    values = torch.randint(0, 16, (37, 1024), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(37, 8, generator=gen) * 0.01
+    zeros = torch.randint(0, 16, (37, 8), generator=gen).float()
+    packed = int4_pack(values, scales, zeros, 128)
+    x = torch.randn(1100, 1024, generator=gen).to(dtype)
+    together = int4_linear(x, *packed, 37, 128, dtype)
+    assert together is not None
+    for row in (0, 511, 512, 513, 1023, 1024, 1099):
+        assert torch.equal(int4_linear(x[row:row + 1], *packed, 37, 128, dtype), together[row:row + 1])
