@@ -12,6 +12,7 @@ import ctypes
 import torch
 
 from ember_kernels.cpu.build import native_library
+from ember_kernels.cpu.threads import THREADS
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
@@ -68,8 +69,10 @@ def _call(fn: ctypes._CFuncPtr, x: torch.Tensor, weight: torch.Tensor,  # type: 
     x32 = x.float().contiguous()
     bias32 = None if bias is None else bias.float().contiguous()
     out = torch.empty(num_rows, out_features, dtype=torch.float32)
-    rc = fn(x32.data_ptr(), weight.data_ptr(), None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
-            num_rows, out_features, in_features, torch.get_num_threads())
+    # Decode-sized calls on one thread or torch's, as measured for this shape (threads.py).
+    rc = THREADS.run(("dense_linear", weight.dtype, num_rows, out_features, in_features), num_rows, fn,
+                     x32.data_ptr(), weight.data_ptr(), None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
+                     num_rows, out_features, in_features)
     if rc != 0:
         raise ValueError(f"dense_linear: bad sizes M={num_rows} N={out_features} K={in_features}")
     return out

@@ -8,6 +8,7 @@ import ctypes
 import torch
 
 from ember_kernels.cpu.build import native_function
+from ember_kernels.cpu.threads import THREADS
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _LINEAR_ARGS = [_PTR, _INT, _PTR, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _I64, _INT]
@@ -80,9 +81,10 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, sc: torch.Tensor, sz: tor
     out = torch.empty(num_rows, out_features, dtype=kernel_dtype)
     if num_rows == 0:
         return out.to(out_dtype)
-    rc = fn(x.data_ptr(), x.dtype == torch.bfloat16, packed.data_ptr(), sc.data_ptr(), sz.data_ptr(),
-            out.data_ptr(), kernel_dtype == torch.bfloat16, num_rows, out_features, in_features, group_size,
-            torch.get_num_threads())
+    # Decode-sized calls on one thread or torch's, as measured for this shape (threads.py).
+    rc = THREADS.run(("int4_linear", num_rows, out_features, in_features), num_rows, fn, x.data_ptr(),
+                     x.dtype == torch.bfloat16, packed.data_ptr(), sc.data_ptr(), sz.data_ptr(), out.data_ptr(),
+                     kernel_dtype == torch.bfloat16, num_rows, out_features, in_features, group_size)
     if rc != 0:
         return None
     return out if kernel_dtype == out_dtype else out.to(out_dtype)

@@ -7,6 +7,7 @@ import ctypes
 import torch
 
 from ember_kernels.cpu.build import native_function
+from ember_kernels.cpu.threads import THREADS
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _INT = ctypes.c_int
@@ -46,8 +47,10 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     x = x.contiguous()
     kernel_dtype = out_dtype if out_dtype in _NATIVE_DTYPES else torch.float32
     out = torch.empty(num_rows, out_features, dtype=kernel_dtype)
-    rc = fn(x.data_ptr(), x.dtype == torch.bfloat16, qweight.data_ptr(), scale.data_ptr(), out.data_ptr(),
-            kernel_dtype == torch.bfloat16, num_rows, out_features, in_features, torch.get_num_threads())
+    # Decode-sized calls on one thread or torch's, as measured for this shape (threads.py).
+    rc = THREADS.run(("int8_linear", num_rows, out_features, in_features), num_rows, fn, x.data_ptr(),
+                     x.dtype == torch.bfloat16, qweight.data_ptr(), scale.data_ptr(), out.data_ptr(),
+                     kernel_dtype == torch.bfloat16, num_rows, out_features, in_features)
     if rc != 0:
         return None
     return out if kernel_dtype == out_dtype else out.to(out_dtype)

@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 
 from ember_kernels.cpu.build import native_function
+from ember_kernels.cpu.threads import THREADS
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _LINEAR_ARGTYPES = [_PTR, _INT, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _INT]
@@ -81,8 +82,11 @@ def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     x = x.contiguous()
     kernel_dtype = out_dtype if out_dtype in _NATIVE_DTYPES else torch.float32
     out = torch.empty(x.shape[0], qweight.shape[0], dtype=kernel_dtype)
-    rc = fn(x.data_ptr(), x.dtype == torch.bfloat16, qweight.data_ptr(), scale.data_ptr(), out.data_ptr(),
-            kernel_dtype == torch.bfloat16, x.shape[0], qweight.shape[0], qweight.shape[1], torch.get_num_threads())
+    # Decode-sized calls on one thread or torch's, as measured for this shape (threads.py).
+    rows, out_features, in_features = x.shape[0], qweight.shape[0], qweight.shape[1]
+    rc = THREADS.run(("fp8_linear", rows, out_features, in_features), rows, fn, x.data_ptr(),
+                     x.dtype == torch.bfloat16, qweight.data_ptr(), scale.data_ptr(), out.data_ptr(),
+                     kernel_dtype == torch.bfloat16, rows, out_features, in_features)
     if rc != 0:
         return None
     return out if kernel_dtype == out_dtype else out.to(out_dtype)
