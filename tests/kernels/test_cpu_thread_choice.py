@@ -98,3 +98,23 @@ def test_the_native_linears_give_the_same_bits_on_one_thread_or_two(two_threads:
         outputs[forced] = (dense_linear(x, weight), int8_linear(x, q8, scale), int4_linear(x, *packed, 300, 128))
     for one, two in zip(outputs[1], outputs[2], strict=True):
         assert torch.equal(one, two)
+
+
+def test_the_engines_decode_linears_run_through_the_choice(two_threads: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The example model (float32: the native dense linear) decoding one request: every linear's call of one row
+    # goes through the choice, and after a few tokens each such shape has a thread count chosen. A fresh
+    # ThreadChoice: the process-wide one carries other tests' calls (a refresh could be under way).
+    from pathlib import Path
+
+    from ember_kernels.cpu import dense_linear as dense_module
+    from ember_platform import LLM, SamplingParams
+
+    if not dense_module.dense_linear_available():
+        pytest.skip("no native kernels here")
+    fresh = ThreadChoice()
+    monkeypatch.setattr(dense_module, "THREADS", fresh)
+    llm = LLM(Path(__file__).resolve().parents[2] / "examples" / "tiny-llama")
+    llm.generate([list(range(100, 120))], [SamplingParams(temperature=0, max_tokens=2 * SAMPLES + 4, ignore_eos=True)])
+    decode = [key for key, threads in fresh._shapes if key[0] == "dense_linear" and key[2] == 1 and threads == 2]
+    assert len(decode) >= 4  # qkv, o, gate_up, down (and the LM head)
+    assert all(fresh.chosen(key, 2) in (1, 2) for key in decode)

@@ -181,15 +181,7 @@ static inline __attribute__((always_inline)) void store_tile(const float *acc, c
     for (int i = 0; i < 16 && m0 + i < M; i++) {
         const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(acc + i * 16), s);
         const int64_t at = (m0 + i) * N + n0;
-        if (y_bf16) {
-            const __m512i u = _mm512_castps_si512(v);
-            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-            __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-            r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-            _mm256_mask_storeu_epi16((uint16_t *)y + at, mask, _mm512_cvtepi32_epi16(r));
-        } else {
-            _mm512_mask_storeu_ps((float *)y + at, mask, v);
-        }
+        store16(y, at, mask, v, y_bf16);
     }
 }
 
@@ -358,15 +350,7 @@ static inline __attribute__((always_inline)) void store_tile_int32(const int32_t
             _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + i * 16)), _mm512_set1_ps(row_scale[m0 + i])),
             s);
         const int64_t at = (m0 + i) * N + n0;
-        if (y_bf16) {
-            const __m512i u = _mm512_castps_si512(v);
-            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-            __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-            r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-            _mm256_mask_storeu_epi16((uint16_t *)y + at, mask, _mm512_cvtepi32_epi16(r));
-        } else {
-            _mm512_mask_storeu_ps((float *)y + at, mask, v);
-        }
+        store16(y, at, mask, v, y_bf16);
     }
 }
 

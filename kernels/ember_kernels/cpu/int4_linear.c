@@ -37,8 +37,6 @@
 #include <immintrin.h>
 #endif
 
-/* Quantize x's rows per group: xq [M, Kp] int8 (zero padding), xs [M, groups] scales, xsum [M, groups]
- * = xs * sum(xq) (the dequantized group sum the zero points multiply). */
 #if defined(__AVX512F__)
 /* 16 inputs from k (n of them, the rest zero) as float32. */
 static inline __m512 load16(const void *x, int x_bf16, int64_t k, int n) {
@@ -93,6 +91,8 @@ static void quantize_group(const void *x, int x_bf16, int64_t at, int64_t n, int
     *xsum = scale * (float)sum;
 }
 
+/* Quantize x's rows per group: xq [M, Kp] int8 (zero padding), xs [M, groups] scales, xsum [M, groups]
+ * = xs * sum(xq) (the dequantized group sum the zero points multiply). */
 static void quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int64_t G, int64_t groups,
                           int8_t *xq, float *xs, float *xsum) {
     const int64_t Kp = groups * G;
@@ -226,16 +226,7 @@ static void block_rows(const uint8_t *w, const float *sc, const float *sz, const
 static inline void store_outputs(const float *out, void *y, int64_t at, int64_t rows, int y_bf16) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     const __mmask16 mask = (__mmask16)((1u << rows) - 1);
-    const __m512 v = _mm512_maskz_loadu_ps(mask, out);
-    if (!y_bf16) {
-        _mm512_mask_storeu_ps((float *)y + at, mask, v);
-        return;
-    }
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-    _mm256_mask_storeu_epi16((uint16_t *)y + at, mask, _mm512_cvtepi32_epi16(r));
+    store16(y, at, mask, _mm512_maskz_loadu_ps(mask, out), y_bf16);
 #else
     for (int64_t r = 0; r < rows; r++) store_from_f32(y, at + r, out[r], y_bf16);
 #endif

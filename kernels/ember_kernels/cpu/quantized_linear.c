@@ -353,16 +353,7 @@ static inline __attribute__((always_inline)) void bg_tile(const uint32_t *xi, co
             const __m512 row = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), nmask,
                                                         _mm512_add_epi32(idx, _mm512_set1_epi32(l)), tbuf, 4);
             const int64_t at = (m0 + l) * N + n0;
-            if (y_bf16) {
-                /* f32_to_bf16, 16 lanes: round to nearest even, NaN -> 0x7fc0 */
-                const __m512i u = _mm512_castps_si512(row);
-                const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-                __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-                r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(row, row, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-                _mm256_mask_storeu_epi16((uint16_t *)y + at, nmask, _mm512_cvtepi32_epi16(r));
-            } else {
-                _mm512_mask_storeu_ps((float *)y + at, nmask, row);
-            }
+            store16(y, at, nmask, row, y_bf16);
         }
     }
 }
@@ -450,9 +441,8 @@ int ember_bf16_gemm(const uint16_t *x, const uint8_t *w, int kind, const float *
             }
             /* prefetched during the first pass over the rows of x: the next tile, this thread's unless its chunk ends */
             const uint8_t *next = t + 1 < num_tiles ? w + (n0 + BG_NT) * K : NULL;
-            const int64_t mb_end = (blk + 1) * block_mb < Mb ? (blk + 1) * block_mb : Mb;
-            for (int64_t mb0 = blk * block_mb; mb0 < mb_end; mb0 += BG_MV) {
-                const int64_t first = blk * block_mb;
+            const int64_t first = blk * block_mb, mb_end = first + block_mb < Mb ? first + block_mb : Mb;
+            for (int64_t mb0 = first; mb0 < mb_end; mb0 += BG_MV) {
                 switch (mb_end - mb0 < BG_MV ? mb_end - mb0 : BG_MV) { /* constant counts: accumulators in registers */
                     case 2: bg_tile(xi, (const uint32_t *)wb, P, scale, y, y_bf16, M, N, n0, mb0, 2, mb0 == first ? next : NULL); break;
                     default: bg_tile(xi, (const uint32_t *)wb, P, scale, y, y_bf16, M, N, n0, mb0, 1, mb0 == first ? next : NULL); break;

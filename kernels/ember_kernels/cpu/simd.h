@@ -137,4 +137,21 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
 }
 #endif
 
+#if defined(__AVX512BW__)
+/* The `mask` lanes of v into y at element `at`: float32, or bf16 rounded as f32_to_bf16 does (to nearest even,
+ * NaN -> 0x7fc0) where y_bf16. The output store of the AVX-512 GEMMs. */
+static inline __attribute__((always_inline)) void store16(void *y, int64_t at, __mmask16 mask, __m512 v,
+                                                          int y_bf16) {
+    if (!y_bf16) {
+        _mm512_mask_storeu_ps((float *)y + at, mask, v);
+        return;
+    }
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    _mm256_mask_storeu_epi16((uint16_t *)y + at, mask, _mm512_cvtepi32_epi16(r));
+}
+#endif
+
 #endif
