@@ -28,6 +28,7 @@ ADMIN_KEY = "ember-sk-admin-for-admission-tests"
 SHED, SLOW = "shed-llama", "slow-llama"
 READY_TIMEOUT_S = 180.0
 LONG_TOKENS = 600  # a stream long enough to still run while the test overloads the model around it
+LONGEST_TOKENS = 2000  # near the example's whole context: a request that must outlast a timeout
 
 
 @dataclass
@@ -215,13 +216,15 @@ def test_clients_that_leave_while_queued_or_mid_stream_give_their_places_back(se
 
 def test_a_request_that_waits_longer_than_the_queue_timeout_gets_503_with_retry_after(served: Served) -> None:
     key = served.keys["alice"]
-    [running], result = _in_threads([lambda: _stream(served, SLOW, key)])
+    # Near the model's whole context (2048): the running request must outlast the 1 s queue timeout by a margin
+    # whatever the decode speed (600 tokens once finished inside it on a fast host, and the 503 never came).
+    [running], result = _in_threads([lambda: _stream(served, SLOW, key, max_tokens=LONGEST_TOKENS)])
     _wait_until(lambda: _places_taken(served, SLOW, running=1, queued=0), 30, "the long request to run")
     waited = _stream(served, SLOW, served.keys["bob"], max_tokens=4)  # alice holds her default limit: half of 2
     _assert_refused(waited, 503, "service_unavailable")
     assert 0.9 < waited.seconds < 5.0  # queue_timeout = 1 s
     running.join(120)
-    assert _completed(result[0]), result
+    assert _completed(result[0], LONGEST_TOKENS), result
 
 
 def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error_event_and_new_requests_wait_for_its_replacement(
