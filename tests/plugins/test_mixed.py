@@ -88,6 +88,7 @@ def test_the_plan_is_the_candidate_with_the_lowest_calibration_loss(tmp_path: Pa
     assert set(plan["plan_loss_increase"]) == set(plan["plan_kl"]) == expected
     assert plan["plan_loss_increase"][plan["plan"]] == min(plan["plan_loss_increase"].values())
     assert plan["achieved_bits"] <= 4.625 + 1e-9
+    assert plan["int4_activations"].startswith("int8 per group")  # measured as the native CPU kernel serves
     for layer in plan["layers"].values():  # both sensitivities kept, per rung (the loss increase may be negative)
         assert set(layer["loss_increase"]) == set(layer["sensitivity"]) == set(plan["ladder"])
         assert layer["loss_increase"]["dense"] == layer["sensitivity"]["dense"] == 0.0
@@ -138,3 +139,35 @@ def test_explain_prints_each_candidates_calibration_loss_and_each_layers_loss_in
     text = out.getvalue()
     assert "calibration loss increase {" in text and "'knapsack by loss increase': " in text, text
     assert "loss increase" in text and f"the {plan['plan']} plan" in text, text
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_the_calibration_computes_int4_layers_as_the_native_kernel_serves_them(group_size: int) -> None:
+    """The plan is measured on what serves: with the hook mixed's calibration puts on an int4 layer, a float
+    linear on the rounded weights computes what the native W4A8 kernel does (activations rounded to int8 per group;
+    688 inputs: a last group cut short), not the weight-only product, which differs by far more."""
+    import torch
+    import torch.nn.functional as F
+
+    from ember_kernels.cpu.int4_linear import int4_linear_available
+    from ember_plugins.quantization.int4 import Int4Linear, prefill_rounds_activations, quantize_rtn
+    from ember_plugins.quantization.mixed import round_activations_per_group
+
+    if not int4_linear_available():
+        pytest.skip("native CPU kernels unavailable")
+    assert prefill_rounds_activations("auto", torch.device("cpu"), torch.float32)
+    assert not prefill_rounds_activations("triton", torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(group_size)
+    weight = torch.randn(96, 688, generator=gen) / 688 ** 0.5
+    x = torch.randn(40, 688, generator=gen)
+    x[:, 5] *= 30  # an outlier channel: its group's activations round coarsely
+    weights = quantize_rtn(weight, group_size)
+    served = Int4Linear(weights, None, kernel="native")(x)
+    rounded = torch.nn.Linear(688, 96, bias=False)
+    rounded.weight.data.copy_(weights.dequantize(torch.float32))
+    rounded.register_forward_pre_hook(round_activations_per_group(group_size))
+    with torch.inference_mode():
+        imitated = rounded(x)
+        weight_only = F.linear(x, weights.dequantize(torch.float32))
+    err, weight_only_err = (float((y - served).abs().max()) for y in (imitated, weight_only))
+    assert err < 1e-4 and weight_only_err > 100 * err, (err, weight_only_err)

@@ -49,6 +49,7 @@ from torch import nn
 
 from ember_kernels.cpu.fused_ops import gather_columns
 from ember_kernels.cpu.int4_linear import amx_int4_linear, groups_of, int4_linear, int4_linear_available, int4_pack
+from ember_kernels.cpu.quantized_linear import amx_available
 from ember_platform.api import UNQUANTIZED, Linear, LinearMethod, LinearSpec, QuantizationError, Quantizer, skipped
 from ember_plugins.quantization.options import INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, INT4_KERNELS, check_int4
 from ember_plugins.quantization.options import checked as checked_options
@@ -163,6 +164,16 @@ def resolve_kernel(kernel: str, device: torch.device, weights: Int4Weights) -> s
     if weights.group_size % 8 == 0 and int4_linear_available():
         return "native"
     return "int4pack" if int4pack_fits(weights) else "dequant"
+
+
+def prefill_rounds_activations(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether int4 layers with option `kernel` compute a prefill chunk (more than `AMX_ROWS` rows) of `dtype`
+    activations on `device` as W4A8, each row's activations rounded to int8 per weight group (the native CPU
+    kernel), rather than weight-only: what a calibration that measures the served model must imitate. bf16
+    chunks on AMX CPUs go weight-only to the tile unit (`apply`)."""
+    if kernel not in ("auto", "native") or device.type != "cpu" or not int4_linear_available():
+        return False
+    return dtype != torch.bfloat16 or not amx_available()
 
 
 def int4pack_fits(weights: Int4Weights) -> bool:

@@ -23,6 +23,11 @@ The plan, made in `calibrate` before any layer is finalized, on calibration text
    still below: its rounding happens to lower the held-out loss by ~0.0016 nats more than its KL, which the
    calibration text does not show).
 
+What is measured is what will serve: where int4 layers run the native CPU kernel, which rounds each row's
+activations to int8 per weight group (W4A8), every measurement above rounds the int4 layers' inputs the same way
+(`round_activations_per_group`; the plan's `int4_activations` says which); before, the plan was chosen with
+weight-only rounding for a model that computes W4A8.
+
 Bits per weight count what the layers store: int4 4 + 40 / group (a float32 scale and a uint8 zero point per
 group, `Int4Weights`), int8 8 + 32 / inputs (a float32 scale per output), dense the model dtype's bits. Layers in
 `skip` (default the LM head) stay dense and are outside the budget. The plan is `state()`: saved as
@@ -49,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember_kernels.cpu.int4_linear import quantize_activations
 from ember_platform.api import (
     UNQUANTIZED,
     CalibrationContext,
@@ -65,6 +71,7 @@ from ember_plugins.quantization.int4 import (
     GROUP_SIZES,
     Int4LinearMethod,
     Int4StoredMethod,
+    prefill_rounds_activations,
     quantize_rtn,
 )
 from ember_plugins.quantization.int8 import Int8LinearMethod, quantize_per_channel
@@ -174,6 +181,20 @@ def knapsack_plan(layers: Mapping[str, Mapping[str, Any]], budget_bits: float, l
         plan[name] = precision
         spent -= math.ceil(layers[name]["params"] * layers[name]["bits"][precision] / unit - 1e-9)
     return plan
+
+
+def round_activations_per_group(group_size: int) -> Any:
+    """A forward pre-hook giving a linear its input as the native int4 kernel computes with it: each row rounded
+    to int8 per group of `group_size` inputs (symmetric, max |x| / 127; `quantize_activations`), dequantized."""
+
+    def hook(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        x = args[0]
+        rows = x.reshape(-1, x.shape[-1])
+        xq, xs = quantize_activations(rows, group_size)
+        rounded = (xq * xs[..., None]).reshape(rows.shape[0], -1)[:, :x.shape[-1]]
+        return (rounded.to(x.dtype).reshape(x.shape), *args[1:])
+
+    return hook
 
 
 class MixedLinearMethod(LinearMethod):
@@ -333,6 +354,23 @@ class MixedQuantizer(Quantizer):
                                                                                             strict=True))
             return {"kl": kl / tokens, "loss": cross_entropy(got) - base}
 
+        # What serves: where int4 layers will run the native CPU kernel, their activations are rounded to int8 per
+        # group too (W4A8), so every measurement below rounds them as well, or the plan would be chosen for a model
+        # that never runs.
+        w4a8 = prefill_rounds_activations("auto", model.device, model.dtype)
+
+        def measure_as(plan: Mapping[str, str]) -> dict[str, float]:
+            """`measure` with the int4 layers of `plan` (name -> precision, weights already rounded) computing on
+            rounded activations where the served kernel rounds them."""
+            handles = [model.get_submodule(name).register_forward_pre_hook(round_activations_per_group(group))
+                       for name, precision in plan.items()
+                       if w4a8 and (group := int4_group(precision)) is not None]
+            try:
+                return measure()
+            finally:
+                for handle in handles:
+                    handle.remove()
+
         measured: dict[str, dict[str, Any]] = {}
         for name in sorted(self.layers):
             layer = model.get_submodule(name)
@@ -341,7 +379,7 @@ class MixedQuantizer(Quantizer):
             kl, loss = {"dense": 0.0}, {"dense": 0.0}
             for precision in self.ladder[:-1]:
                 weight.copy_(self._fake_quantized(precision, original))
-                m = measure()
+                m = measure_as({name: precision})
                 kl[precision], loss[precision] = m["kl"], m["loss"]
             weight.copy_(original)
             ratio, kurtosis = outlier_stats(inputs[name])
@@ -370,7 +408,7 @@ class MixedQuantizer(Quantizer):
             for name, precision in plan.items():
                 if precision != "dense":
                     model.get_submodule(name).weight.data.copy_(self._fake_quantized(precision, originals[name]))
-            scores[label] = measure()
+            scores[label] = measure_as(plan)
             for name in plan:
                 model.get_submodule(name).weight.data.copy_(originals[name])
         del originals
@@ -384,6 +422,7 @@ class MixedQuantizer(Quantizer):
             "achieved_bits": round(achieved, 4),
             "ladder": list(self.ladder),
             "symmetric": self.symmetric,
+            "int4_activations": "int8 per group (the native CPU kernel's W4A8)" if w4a8 else "unrounded",
             "skip": list(self.skip),
             "calibration_tokens": tokens,
             "calibration_source": str(calibration.source),
