@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ember_kernels.cpu.dense_linear import dense_linear, dense_linear_available
+from ember_kernels.cpu.dense_linear import dense_linear, dense_linear_available, dense_linear_bf16
 
 pytestmark = pytest.mark.skipif(not dense_linear_available(), reason="native CPU kernels unavailable")
 
@@ -86,3 +86,22 @@ def test_mismatched_shapes_are_refused() -> None:
         dense_linear(x, weight.double(), bias)
     with pytest.raises(ValueError, match="contiguous float32 or bfloat16"):
         dense_linear(x, weight.t().contiguous().t(), bias)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize(("out_features", "in_features"), [(70, 131), (512, 256), (17, 688)])
+def test_a_bfloat16_model_s_linear_is_the_float32_product_rounded_once(rows: int, out_features: int,
+                                                                     in_features: int) -> None:
+    """bf16 x and weights in, bf16 out: the float32 kernel's result on the widened inputs, rounded to bf16 as torch
+    rounds (so within one bf16 rounding of the exact product), and a row's bits independent of its batch."""
+    x, weight, bias = operands(rows, out_features, in_features, seed=rows)
+    x16, w16 = x.bfloat16(), weight.bfloat16()
+    for b in (None, bias):
+        out = dense_linear_bf16(x16, w16, b)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+        assert torch.equal(out, dense_linear(x16.float(), w16, b).bfloat16())
+        exact = reference(x16.float(), w16, b)
+        torch.testing.assert_close(out.double(), exact, rtol=2 ** -8, atol=1e-6)
+    together = dense_linear_bf16(x16, w16, bias)
+    for i in range(rows):
+        assert torch.equal(together[i:i + 1], dense_linear_bf16(x16[i:i + 1], w16, bias)), i

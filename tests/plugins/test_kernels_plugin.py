@@ -125,3 +125,32 @@ def test_model_linear_uses_the_native_kernel_for_few_rows(rows: int, with_bias: 
     xg = x[:1].clone().requires_grad_(True)
     layer(xg).sum().backward()
     torch.testing.assert_close(xg.grad, weight.sum(0, keepdim=True))
+
+
+@native
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16])
+def test_a_bfloat16_model_linear_uses_the_native_kernel_for_fewer_rows(rows: int,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 model's layers: the native kernel (float32 sums rounded once to bf16) up to its own, lower row limit,
+    oneDNN's bf16 GEMM above it."""
+    import ember_plugins.kernels.cpu as plugin
+    from ember_kernels.cpu.dense_linear import dense_linear_bf16
+    from ember_platform.engine.models.layers import Linear
+    from ember_plugins.kernels.cpu import NATIVE_BF16_LINEAR_MAX_ROWS
+
+    calls = []
+    monkeypatch.setattr(plugin, "dense_linear_bf16", lambda *a: calls.append(a) or dense_linear_bf16(*a))
+
+    layer = Linear(48, 24, bias=False, ops=engine_ops()).to_empty(device="cpu").to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 48, generator=gen).bfloat16(), torch.randn(24, 48, generator=gen).bfloat16()
+    layer.weight.data.copy_(weight)
+    layer.finish_loading()
+    with torch.inference_mode():
+        out = layer(x.view(1, rows, 48))
+    assert out.dtype == torch.bfloat16
+    assert len(calls) == (rows <= NATIVE_BF16_LINEAR_MAX_ROWS)
+    if calls:
+        assert torch.equal(out.view(rows, 24), dense_linear_bf16(x, weight, None))
+    else:
+        assert torch.equal(out, F.linear(x, weight).view(1, rows, 24))

@@ -18,6 +18,7 @@
  * bias [N] float32 or NULL, y [M, N] float32. Returns 0, or 1 for bad arguments.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "simd.h"
 
@@ -189,4 +190,22 @@ int ember_dense_linear_f32(const float *x, const float *w, const float *bias, fl
 int ember_dense_linear_bf16(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M,
                             int64_t N, int64_t K, int num_threads) {
     return run(x, w, bias, y, M, N, K, num_threads, 1);
+}
+
+/* A bfloat16 model's linear: x and y bfloat16, w bfloat16. x is widened to float32 (exact) and y rounded from the
+ * float32 result (round to nearest even, as torch), so a row's bits still never depend on its batch; both
+ * through buffers of M rows, small at the M this is for. Returns 2 if memory ran out. */
+int ember_dense_linear_bf16_io(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int64_t M,
+                               int64_t N, int64_t K, int num_threads) {
+    if (M < 1 || N < 1 || K < 1) return 1;
+    float *x32 = malloc(sizeof(float) * (size_t)(M * K)), *y32 = malloc(sizeof(float) * (size_t)(M * N));
+    if (!x32 || !y32) {
+        free(x32), free(y32);
+        return 2;
+    }
+    for (int64_t i = 0; i < M * K; i++) x32[i] = bf16_to_f32(x[i]);
+    const int rc = run(x32, w, bias, y32, M, N, K, num_threads, 1);
+    for (int64_t i = 0; rc == 0 && i < M * N; i++) y[i] = f32_to_bf16(y32[i]);
+    free(x32), free(y32);
+    return rc;
 }

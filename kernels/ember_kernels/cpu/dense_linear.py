@@ -16,16 +16,18 @@ from ember_kernels.cpu.threads import THREADS
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
-_functions: dict[torch.dtype, ctypes._CFuncPtr] | None = None  # type: ignore[name-defined]
+_BF16_IO = "bf16 io"  # the kernel taking bfloat16 x and writing bfloat16 y (a bf16 model's layers)
+_functions: dict[object, ctypes._CFuncPtr] | None = None  # type: ignore[name-defined]
 
 
-def _kernels() -> dict[torch.dtype, ctypes._CFuncPtr] | None:  # type: ignore[name-defined]
+def _kernels() -> dict[object, ctypes._CFuncPtr] | None:  # type: ignore[name-defined]
     global _functions
     if _functions is None:
         lib = native_library()
         if lib is None:
             return None
-        functions = {torch.float32: lib.ember_dense_linear_f32, torch.bfloat16: lib.ember_dense_linear_bf16}
+        functions = {torch.float32: lib.ember_dense_linear_f32, torch.bfloat16: lib.ember_dense_linear_bf16,
+                     _BF16_IO: lib.ember_dense_linear_bf16_io}
         for fn in functions.values():
             fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
         _functions = functions
@@ -62,6 +64,23 @@ def dense_linear_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     the kernel is available, weight is contiguous float32 or bfloat16 [N, K], x is [M, K] on the CPU."""
     return _call(_functions[weight.dtype], x, weight, bias, x.shape[0], weight.shape[0],  # type: ignore[index]
                  weight.shape[1])
+
+
+def dense_linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A bfloat16 model's small linear, checked by its caller as `dense_linear_unchecked`, x and weight bfloat16:
+    x [M, K] @ weight.T (+ bias) computed in float32 and rounded to bfloat16 [M, N] in the kernel, with no
+    conversion ops around it (each a dispatch a decode step's ~50 linears would pay twice)."""
+    num_rows, in_features = x.shape
+    out_features = weight.shape[0]
+    x = x.contiguous()
+    bias32 = None if bias is None else bias.float().contiguous()
+    out = torch.empty(num_rows, out_features, dtype=torch.bfloat16)
+    rc = THREADS.run(("dense_linear", _BF16_IO, num_rows, out_features, in_features), num_rows,
+                     _functions[_BF16_IO], x.data_ptr(), weight.data_ptr(),  # type: ignore[index]
+                     None if bias32 is None else bias32.data_ptr(), out.data_ptr(), num_rows, out_features, in_features)
+    if rc != 0:
+        raise ValueError(f"dense_linear_bf16: bad sizes M={num_rows} N={out_features} K={in_features} or no memory")
+    return out
 
 
 def _call(fn: ctypes._CFuncPtr, x: torch.Tensor, weight: torch.Tensor,  # type: ignore[name-defined]
