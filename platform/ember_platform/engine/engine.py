@@ -35,12 +35,13 @@ from ember_platform.engine.outputs import RequestOutput, Usage
 from ember_platform.engine.request import Request, RequestStatus
 from ember_platform.engine.sampler import Sampler, TokenLogprobs, make_generator
 from ember_platform.engine.sampling_params import SamplingParams
-from ember_platform.engine.scheduler import Scheduler
+from ember_platform.engine.scheduler import ScheduledBatch, Scheduler
 from ember_platform.engine.spec_decode import SpecDecoder
 from ember_platform.engine.spec_tree import kv_moves
 from ember_platform.engine.speculation import Speculator, SpeculatorContext
 from ember_platform.engine.step_plan import BlockTables, StepOutput, StepPlan
 from ember_platform.engine.step_sampler import RequestState, StepSampler
+from ember_platform.engine.step_threads import StepThreads
 from ember_platform.engine.structured_output import GrammarCompiler, StructuredOutputError, StructuredRequests
 from ember_platform.engine.text.detokenizer import IncrementalDetokenizer
 from ember_platform.engine.text.stop import StopStringMatcher
@@ -98,6 +99,8 @@ class LLMEngine:
             attention_options=dict(self.selections["attention"].options))
         self.executor = self._make_executor(worker_config)
         self.device = self.executor.parallel_context(0).device  # rank 0's: logits, generators and KV tiers live there
+        # Small steps on one thread or torch's, as measured (step_threads.py): only where the forward runs here.
+        self.step_threads = StepThreads(isinstance(self.executor, UniprocessExecutor) and self.device.type == "cpu")
         report = self.executor.load_model()
         self.timings.update(report.timings)
         self.quantized_from_cache = report.quantized_from_cache
@@ -384,6 +387,11 @@ class LLMEngine:
             if self.scheduler.num_loading and self.kv_tiers is not None:
                 self.kv_tiers.wait_staged(0.01)  # only prefixes being read from a tier remain: wait, don't spin
             return outputs
+        with self.step_threads.running(sum(batch.num_tokens)):
+            return self._run_step(batch, outputs)
+
+    def _run_step(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """`step` for a scheduled batch with requests to run."""
         t0 = time.perf_counter()
         spec = self.spec
         spec_t0 = spec.clock() if spec is not None else 0.0
