@@ -14,11 +14,11 @@
  * Weights: float32, or bfloat16 widened to float32 in registers (exact: bf16 is the top half of an
  * fp32), so a bf16 checkpoint moves half the bytes and is computed in float32.
  *
- * Layouts (row-major, contiguous): x [M, K] float32, w [N, K] float32 or bfloat16 (uint16 bits),
- * bias [N] float32 or NULL, y [M, N] float32. Returns 0, or 1 for bad arguments.
+ * Layouts (row-major, contiguous): x [M, K] float32 (bfloat16 for the _bf16_io entry), w [N, K] float32 or
+ * bfloat16 (uint16 bits), bias [N] float32 or NULL, y [M, N] float32 (bfloat16 for _bf16_io). Returns 0, 1 for
+ * bad arguments, 2 if memory ran out.
  */
 #include <stdint.h>
-#include <stdlib.h>
 
 #include "simd.h"
 
@@ -48,7 +48,7 @@ static inline __m512 load16_as_f32(const void *p, int64_t i, int bf16) {
  * bound by its instructions, not by the weights it streams (tiny-llama's linears at 4 rows took 2.4x their
  * 1-row time; 1.6x with this, on a Zen 5 core). */
 static inline __attribute__((always_inline)) void tile(const float *x, const void *w, const float *bias,
-                                                       float *y, int64_t N, int64_t K, int64_t n,
+                                                       void *y, int y_bf16, int64_t y0, int64_t N, int64_t K, int64_t n,
                                                        const int mr, const int nr, const int bf16, const char *fetch,
                                                        const int64_t fetch_rows) {
     __m512 acc[MR][NR];
@@ -71,7 +71,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, const voi
             float s = _mm512_reduce_add_ps(acc[m][j]);
             for (int64_t t = k; t < K; t++) s += x[m * K + t] * load_as_f32(w, (n + j) * K + t, bf16);
             if (bias) s += bias[n + j];
-            y[m * N + n + j] = s;
+            store_from_f32(y, (y0 + m) * N + n + j, s, y_bf16);
         }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -79,7 +79,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, const voi
 /* y[m, n + j] for m < mr, j < nr. mr, nr and bf16 are compile-time constants after inlining, so the
  * accumulators live in registers (mr * nr <= 12 of the 16 ymm registers). */
 static inline __attribute__((always_inline)) void tile(const float *x, const void *w, const float *bias,
-                                                       float *y, int64_t N, int64_t K, int64_t n,
+                                                       void *y, int y_bf16, int64_t y0, int64_t N, int64_t K, int64_t n,
                                                        const int mr, const int nr, const int bf16, const char *fetch,
                                                        const int64_t fetch_rows) {
     __m256 acc[MR][NR];
@@ -105,13 +105,13 @@ static inline __attribute__((always_inline)) void tile(const float *x, const voi
             float s = hsum(acc[m][j]);
             for (int64_t t = k; t < K; t++) s += x[m * K + t] * load_as_f32(w, (n + j) * K + t, bf16);
             if (bias) s += bias[n + j];
-            y[m * N + n + j] = s;
+            store_from_f32(y, (y0 + m) * N + n + j, s, y_bf16);
         }
 }
 #else
 /* Portable fallback: the same contract (one fixed order per (m, n)), plain loops. */
-static inline void tile(const float *x, const void *w, const float *bias, float *y, int64_t N, int64_t K,
-                        int64_t n, const int mr, const int nr, const int bf16, const char *fetch,
+static inline void tile(const float *x, const void *w, const float *bias, void *y, int y_bf16, int64_t y0,
+                        int64_t N, int64_t K, int64_t n, const int mr, const int nr, const int bf16, const char *fetch,
                         const int64_t fetch_rows) {
     (void)fetch, (void)fetch_rows;
     for (int m = 0; m < mr; m++)
@@ -119,7 +119,7 @@ static inline void tile(const float *x, const void *w, const float *bias, float 
             float s = 0.0f;
             for (int64_t k = 0; k < K; k++) s += x[m * K + k] * load_as_f32(w, (n + j) * K + k, bf16);
             if (bias) s += bias[n + j];
-            y[m * N + n + j] = s;
+            store_from_f32(y, (y0 + m) * N + n + j, s, y_bf16);
         }
 }
 #endif
@@ -137,18 +137,17 @@ static inline void tile(const float *x, const void *w, const float *bias, float 
             const int64_t ahead = m0 == 0 ? n + width : (m0 == MR ? n + NB : N);                    \
             const int64_t rows = M == 1 ? 0 : ahead + width <= N ? width : (N > ahead ? N - ahead : 0); \
             const char *fetch = (const char *)w + ahead * K * (bf16 ? 2 : 4);                       \
-            if (width == (nr)) tile(xg, w, bias, yg, N, K, n, (mr), (nr), bf16, fetch, rows);       \
-            else tile(xg, w, bias, yg, N, K, n, (mr), 1, bf16, fetch, rows);                        \
+            if (width == (nr)) tile(xg, w, bias, y, y_bf16, m0, N, K, n, (mr), (nr), bf16, fetch, rows); \
+            else tile(xg, w, bias, y, y_bf16, m0, N, K, n, (mr), 1, bf16, fetch, rows);              \
         }                                                                                           \
     } while (0)
 
 static inline __attribute__((always_inline)) void block(const float *x, const void *w, const float *bias,
-                                                        float *y, int64_t M, int64_t N, int64_t K,
+                                                        void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
                                                         int64_t n0, int64_t n1, const int bf16) {
     /* Rows in groups of up to MR; the block's weights (NB x K) stay in L1/L2 across the groups. */
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
         const float *xg = x + m0 * K;
-        float *yg = y + m0 * N;
 #if defined(__AVX512F__)
         switch (M - m0 < MR ? M - m0 : MR) { /* widths dividing NB; measured best of 2-8 at 2-4 rows */
             case 4: COLUMNS(4, 4); break;
@@ -167,45 +166,40 @@ static inline __attribute__((always_inline)) void block(const float *x, const vo
     }
 }
 
-static int run(const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
-               int num_threads, const int bf16) {
+/* x float32 or (x_bf16) bfloat16, widened once; y float32 or (y_bf16) bfloat16, rounded from each float32 sum as
+ * torch rounds (nearest even). Returns 0, 1 for bad sizes, 2 if memory for widening x ran out. */
+static int run(const void *x, int x_bf16, const void *w, const float *bias, void *y, int y_bf16, int64_t M, int64_t N,
+               int64_t K, int num_threads, const int bf16) {
     if (M < 1 || N < 1 || K < 1) return 1;
+    float *widened;
+    const float *xf = as_f32_rows(x, x_bf16, M * K, &widened);
+    if (!xf) return 2;
     int64_t num_blocks = (N + NB - 1) / NB;
     if (num_threads < 1 || M * N * K < MIN_PARALLEL_WORK) num_threads = 1;
     if (num_threads > num_blocks) num_threads = (int)num_blocks;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
     for (int64_t b = 0; b < num_blocks; b++) {
         int64_t n0 = b * NB, n1 = n0 + NB < N ? n0 + NB : N;
-        if (bf16) block(x, w, bias, y, M, N, K, n0, n1, 1);
-        else block(x, w, bias, y, M, N, K, n0, n1, 0);
+        if (bf16) block(xf, w, bias, y, y_bf16, M, N, K, n0, n1, 1);
+        else block(xf, w, bias, y, y_bf16, M, N, K, n0, n1, 0);
     }
+    free(widened);
     return 0;
 }
 
 int ember_dense_linear_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
                            int64_t K, int num_threads) {
-    return run(x, w, bias, y, M, N, K, num_threads, 0);
+    return run(x, 0, w, bias, y, 0, M, N, K, num_threads, 0);
 }
 
 int ember_dense_linear_bf16(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M,
                             int64_t N, int64_t K, int num_threads) {
-    return run(x, w, bias, y, M, N, K, num_threads, 1);
+    return run(x, 0, w, bias, y, 0, M, N, K, num_threads, 1);
 }
 
-/* A bfloat16 model's linear: x and y bfloat16, w bfloat16. x is widened to float32 (exact) and y rounded from the
- * float32 result (round to nearest even, as torch), so a row's bits still never depend on its batch; both
- * through buffers of M rows, small at the M this is for. Returns 2 if memory ran out. */
+/* A bfloat16 model's linear: x, w and y bfloat16 (the sums float32, as for every other layout), so a row's bits
+ * still never depend on its batch. */
 int ember_dense_linear_bf16_io(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int64_t M,
                                int64_t N, int64_t K, int num_threads) {
-    if (M < 1 || N < 1 || K < 1) return 1;
-    float *x32 = malloc(sizeof(float) * (size_t)(M * K)), *y32 = malloc(sizeof(float) * (size_t)(M * N));
-    if (!x32 || !y32) {
-        free(x32), free(y32);
-        return 2;
-    }
-    for (int64_t i = 0; i < M * K; i++) x32[i] = bf16_to_f32(x[i]);
-    const int rc = run(x32, w, bias, y32, M, N, K, num_threads, 1);
-    for (int64_t i = 0; rc == 0 && i < M * N; i++) y[i] = f32_to_bf16(y32[i]);
-    free(x32), free(y32);
-    return rc;
+    return run(x, 1, w, bias, y, 1, M, N, K, num_threads, 1);
 }

@@ -48,50 +48,41 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     kernels = _kernels()
     if kernels is None:
         return None
-    fn = kernels.get(weight.dtype)
-    if fn is None or not weight.is_contiguous():
+    if weight.dtype not in kernels or not weight.is_contiguous():
         raise ValueError(f"dense_linear needs a contiguous float32 or bfloat16 weight, got {weight.dtype}")
-    num_rows, in_features = x.shape
+    _, in_features = x.shape
     out_features = weight.shape[0]
     if weight.shape[1] != in_features or (bias is not None and bias.shape != (out_features,)):
         raise ValueError(f"dense_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias "
                          f"{None if bias is None else tuple(bias.shape)} do not fit")
-    return _call(fn, x, weight, bias, num_rows, out_features, in_features)
+    return _call(weight.dtype, x.float(), weight, bias, torch.float32)
 
 
 def dense_linear_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`dense_linear` for a caller that has checked everything (the model's linear layers, per step):
     the kernel is available, weight is contiguous float32 or bfloat16 [N, K], x is [M, K] on the CPU."""
-    return _call(_functions[weight.dtype], x, weight, bias, x.shape[0], weight.shape[0],  # type: ignore[index]
-                 weight.shape[1])
+    return _call(weight.dtype, x.float(), weight, bias, torch.float32)
 
 
 def dense_linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A bfloat16 model's small linear, checked by its caller as `dense_linear_unchecked`, x and weight bfloat16:
     x [M, K] @ weight.T (+ bias) computed in float32 and rounded to bfloat16 [M, N] in the kernel, with no
     conversion ops around it (each a dispatch a decode step's ~50 linears would pay twice)."""
+    return _call(_BF16_IO, x, weight, bias, torch.bfloat16)
+
+
+def _call(kernel: object, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+          out_dtype: torch.dtype) -> torch.Tensor:
+    """`_functions[kernel]` on x (in the dtype that kernel reads) into a new [M, N] tensor of `out_dtype`."""
     num_rows, in_features = x.shape
     out_features = weight.shape[0]
     x = x.contiguous()
     bias32 = None if bias is None else bias.float().contiguous()
-    out = torch.empty(num_rows, out_features, dtype=torch.bfloat16)
-    rc = THREADS.run(("dense_linear", _BF16_IO, num_rows, out_features, in_features), num_rows,
-                     _functions[_BF16_IO], x.data_ptr(), weight.data_ptr(),  # type: ignore[index]
+    out = torch.empty(num_rows, out_features, dtype=out_dtype)
+    # Decode-sized calls on one thread or torch's, as measured for this shape (threads.py).
+    rc = THREADS.run(("dense_linear", kernel, num_rows, out_features, in_features), num_rows,
+                     _functions[kernel], x.data_ptr(), weight.data_ptr(),  # type: ignore[index]
                      None if bias32 is None else bias32.data_ptr(), out.data_ptr(), num_rows, out_features, in_features)
     if rc != 0:
-        raise ValueError(f"dense_linear_bf16: bad sizes M={num_rows} N={out_features} K={in_features} or no memory")
-    return out
-
-
-def _call(fn: ctypes._CFuncPtr, x: torch.Tensor, weight: torch.Tensor,  # type: ignore[name-defined]
-          bias: torch.Tensor | None, num_rows: int, out_features: int, in_features: int) -> torch.Tensor:
-    x32 = x.float().contiguous()
-    bias32 = None if bias is None else bias.float().contiguous()
-    out = torch.empty(num_rows, out_features, dtype=torch.float32)
-    # Decode-sized calls on one thread or torch's, as measured for this shape (threads.py).
-    rc = THREADS.run(("dense_linear", weight.dtype, num_rows, out_features, in_features), num_rows, fn,
-                     x32.data_ptr(), weight.data_ptr(), None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
-                     num_rows, out_features, in_features)
-    if rc != 0:
-        raise ValueError(f"dense_linear: bad sizes M={num_rows} N={out_features} K={in_features}")
+        raise ValueError(f"dense_linear: bad sizes M={num_rows} N={out_features} K={in_features}, or no memory")
     return out

@@ -179,13 +179,9 @@ static inline __attribute__((always_inline)) void block(const float *x, const ui
 static int run(const void *x, int x_bf16, const uint8_t *w, const float *scale, void *y, int y_bf16, int64_t M,
                int64_t N, int64_t K, int num_threads, const int kind) {
     if (M < 1 || N < 1 || K < 1) return 1;
-    float *widened = NULL;
-    if (x_bf16) {
-        widened = malloc(sizeof(float) * (size_t)(M * K));
-        if (!widened) return 2;
-        for (int64_t i = 0; i < M * K; i++) widened[i] = bf16_to_f32(((const uint16_t *)x)[i]);
-    }
-    const float *xf = x_bf16 ? widened : (const float *)x;
+    float *widened;
+    const float *xf = as_f32_rows(x, x_bf16, M * K, &widened);
+    if (!xf) return 2;
     int64_t num_blocks = (N + NB - 1) / NB;
     if (num_threads < 1 || M * N * K < MIN_PARALLEL_WORK) num_threads = 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)

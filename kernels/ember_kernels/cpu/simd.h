@@ -3,6 +3,7 @@
 #define EMBER_SIMD_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* bfloat16 is the top half of a float32: widening is exact. */
@@ -32,6 +33,17 @@ static inline void store_from_f32(void *p, int64_t i, float value, int bf16) {
         ((uint16_t *)p)[i] = f32_to_bf16(value);
     else
         ((float *)p)[i] = value;
+}
+
+/* x [n] as float32: x itself, or (x_bf16) a widened copy in *owned (the caller frees it). NULL if that copy's
+ * memory ran out. A linear's activations, widened once per call rather than in every tile that reads them. */
+static inline const float *as_f32_rows(const void *x, int x_bf16, int64_t n, float **owned) {
+    *owned = NULL;
+    if (!x_bf16) return (const float *)x;
+    float *widened = malloc(sizeof(float) * (size_t)n);
+    if (widened)
+        for (int64_t i = 0; i < n; i++) widened[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+    return *owned = widened;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
