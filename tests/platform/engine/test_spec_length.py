@@ -285,3 +285,17 @@ def test_a_speculator_that_needs_no_steps_without_drafts_is_not_called_on_them()
     # a speculator that sees every step would be called with propose_for = [] on the steps with both running
     assert calls and all(n == 1 for n in calls)
     assert engine.num_draft_tokens > 0
+
+
+def test_the_fits_small_solver_agrees_with_lapack() -> None:
+    # The fit's 3-4 unknowns are solved in plain Python (a numpy call's set-up cost more than the arithmetic).
+    import numpy as np
+
+    from ember_platform.engine.spec_length import _solve_small
+
+    rng = np.random.default_rng(0)
+    for n in (3, 4) * 50:
+        m = rng.normal(size=(n, n)) * 10.0 ** rng.uniform(-2, 2, size=n)
+        a, b = m @ m.T + np.eye(n) * 1e-3, rng.normal(size=n)
+        x = _solve_small([list(row) for row in a], list(b))
+        assert np.allclose(x, np.linalg.solve(a, b), rtol=1e-6, atol=1e-9)
