@@ -270,3 +270,17 @@ def test_heads_for_another_model_or_broken_ones_are_refused(tmp_path: Path) -> N
             LLM(str(EXAMPLE), speculator="eagle3", speculator_model=HEAD, num_speculative_tokens=budget,
                 speculator_options=options)
 
+
+
+def test_the_native_steps_rope_rows_are_the_computed_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The native step reads cos/sin as views of a table grown on demand; past the table's limit they are computed.
+    from ember_plugins.speculators import eagle3 as module
+
+    monkeypatch.setattr(module, "ROPE_TABLE_LIMIT", 600)
+    speculator = eagle3().engine.speculator
+    for first, count in [(0, 4), (250, 7), (255, 3), (590, 10), (700, 5)]:  # grows 256 -> 512 -> 600, then beyond
+        cos, sin = speculator._rope_rows(first, count, torch.float32)
+        want_cos, want_sin = speculator._rope(torch.arange(first, first + count), torch.float32)
+        assert cos.is_contiguous() and sin.is_contiguous()
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert speculator._rope_tables[torch.float32][0].shape[0] == 600

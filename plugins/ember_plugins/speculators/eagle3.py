@@ -322,14 +322,6 @@ class Eagle3Speculator(Speculator):
                 offset += n
         return kept
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, hd] for `positions` [T]: rows of the table (`_rope_rows`) where it covers them."""
-        table = self._rope_tables.get(dtype)
-        if (table is not None and positions.numel() and table[0].device == positions.device
-                and int(positions.max()) < table[0].shape[0]):
-            return table[0].index_select(0, positions), table[1].index_select(0, positions)
-        return self._compute_rope(positions, dtype)
-
     def _rope_rows(self, first: int, count: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [count, hd] for positions first..first + count - 1, contiguous: views of a table of every position
         up to the highest asked for so far (doubling; computing them costs ~6 torch ops a step, a third of what the
@@ -338,14 +330,15 @@ class Eagle3Speculator(Speculator):
         table = self._rope_tables.get(dtype)
         if table is None or table[0].shape[0] < end:
             if end > ROPE_TABLE_LIMIT:
-                cos, sin = self._compute_rope(torch.arange(first, end, device=self.context.device), dtype)
+                cos, sin = self._rope(torch.arange(first, end, device=self.context.device), dtype)
                 return cos.contiguous(), sin.contiguous()
             size = min(ROPE_TABLE_LIMIT, max(end, 256, 2 * (0 if table is None else table[0].shape[0])))
-            cos, sin = self._compute_rope(torch.arange(size, device=self.context.device), dtype)
+            cos, sin = self._rope(torch.arange(size, device=self.context.device), dtype)
             table = self._rope_tables[dtype] = (cos.contiguous(), sin.contiguous())
         return table[0][first:end], table[1][first:end]
 
-    def _compute_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, hd] for `positions` [T], computed (the torch path's arbitrary positions)."""
         if self.rotary is not None:
             return self.rotary(positions, dtype)
         from ember_plugins.speculators.eagle3_model import rope_cos_sin
