@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from ember_kernels.cpu.build import native_function
+from ember_kernels.cpu.draft_weights import FORMATS, kept_matrix
 
 _I64, _PTR, _INT, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _ARGTYPES = [_PTR, _PTR, _INT, _PTR, _F, _F, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64,
@@ -15,7 +16,6 @@ _ARGTYPES = [_PTR, _PTR, _INT, _PTR, _F, _F, _PTR, _I64, _I64, _PTR, _PTR, _PTR,
 MODEL_WEIGHTS = ("embed", "norm", "lm_head")  # then LAYER_WEIGHTS for each layer: the kernel's W_* and L_* order
 LAYER_WEIGHTS = ("input_layernorm", "qkv", "o_proj", "post_attention_layernorm", "gate_up", "down_proj")
 MATRICES = ("lm_head", "qkv", "o_proj", "gate_up", "down_proj")  # kept in `weight_format`
-FORMATS = ("float32", "bfloat16", "int8")  # the kernel's FORMAT_* values, in order (draft_ops.h)
 
 
 def _function() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -24,18 +24,6 @@ def _function() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 def draft_llama_available() -> bool:
     return _function() is not None
-
-
-def _kept(name: str, w: torch.Tensor, weight_format: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A weight as the kernel reads it, and its per-row scales (int8 matrices only)."""
-    if w.dtype != torch.float32 or not w.is_cpu:
-        raise ValueError(f"DraftLlamaKernel: weight {name} must be a float32 CPU tensor")
-    if name not in MATRICES or weight_format == "float32":
-        return w.contiguous(), None
-    if weight_format == "bfloat16":
-        return w.to(torch.bfloat16).contiguous(), None
-    row_scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-    return (w / row_scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous(), row_scale.contiguous()
 
 
 class DraftLlamaKernel:
@@ -54,7 +42,7 @@ class DraftLlamaKernel:
         if len(dims) != 6 or not layers:
             raise ValueError("DraftLlamaKernel takes 6 dims and at least one layer")
         named = [(n, weights[n]) for n in MODEL_WEIGHTS] + [(n, layer[n]) for layer in layers for n in LAYER_WEIGHTS]
-        kept = [_kept(name, w, weight_format) for name, w in named]
+        kept = [kept_matrix("DraftLlamaKernel", name, w, weight_format, MATRICES) for name, w in named]
         self._tensors = [t for pair in kept for t in pair if t is not None]  # alive: the kernel reads by address
         self._weights = (ctypes.c_void_p * len(kept))(*(w.data_ptr() for w, _ in kept))
         self._scales = (ctypes.c_void_p * len(kept))(*(None if s is None else s.data_ptr() for _, s in kept))

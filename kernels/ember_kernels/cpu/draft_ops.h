@@ -47,6 +47,62 @@ static inline void softmax(float *x, int64_t n) {
     for (i = 0; i < n; i++) x[i] *= inv;
 }
 
+#if defined(__AVX512F__)
+/* scores[t] = q . keys[t] * scale for n contiguous key rows of hd floats, 16 lanes: four keys at a time
+ * (independent FMA chains), their four sums folded together by unpacks (10 ops for four keys, where a
+ * horizontal sum each costs 8). The 8-lane build below took as long as the drafters' linears. */
+static inline void score_rows(const float *q, const float *keys, int64_t n, int64_t hd, float scale, float *scores) {
+    int64_t t = 0;
+    if (hd % 16 == 0)
+        for (; t + 4 <= n; t += 4) {
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            const float *k0 = keys + t * hd;
+            for (int64_t i = 0; i < hd; i += 16) {
+                const __m512 qv = _mm512_loadu_ps(q + i);
+                a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + i), a0);
+                a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + hd + i), a1);
+                a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + 2 * hd + i), a2);
+                a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + 3 * hd + i), a3);
+            }
+            /* per 128-bit lane: [a0 a1 a2 a3] partial sums, then the four lanes added */
+            const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+            const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+            const __m512 u = _mm512_add_ps(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23))),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23))));
+            const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+            const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            _mm_storeu_ps(scores + t, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+        }
+    for (; t < n; t++) scores[t] = dot(q, keys + t * hd, hd) * scale;
+}
+
+/* o += sum_t p[t] * values[t] over n contiguous value rows: 64 floats at a time in two sets of four 16-lane
+ * accumulators (even and odd t), so two FMA chains run per register's latency. */
+static inline void accumulate_rows(float *o, const float *p, const float *values, int64_t n, int64_t hd) {
+    if (hd % 64 != 0) {
+        for (int64_t t = 0; t < n; t++) axpy(o, p[t], values + t * hd, hd);
+        return;
+    }
+    for (int64_t i = 0; i < hd; i += 64) {
+        __m512 even[4], odd[4];
+        for (int c = 0; c < 4; c++) even[c] = _mm512_loadu_ps(o + i + 16 * c), odd[c] = _mm512_setzero_ps();
+        int64_t t = 0;
+        for (; t + 2 <= n; t += 2) {
+            const __m512 a = _mm512_set1_ps(p[t]), b = _mm512_set1_ps(p[t + 1]);
+            const float *v = values + t * hd + i;
+            for (int c = 0; c < 4; c++) {
+                even[c] = _mm512_fmadd_ps(a, _mm512_loadu_ps(v + 16 * c), even[c]);
+                odd[c] = _mm512_fmadd_ps(b, _mm512_loadu_ps(v + hd + 16 * c), odd[c]);
+            }
+        }
+        if (t < n)
+            for (int c = 0; c < 4; c++)
+                even[c] = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(values + t * hd + i + 16 * c), even[c]);
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + i + 16 * c, _mm512_add_ps(even[c], odd[c]));
+    }
+}
+#else
 /* scores[t] = q . keys[t] * scale for n contiguous key rows of hd floats: four keys at a time (independent FMA
  * chains: one key's chain alone waits on FMA latency). */
 static inline void score_rows(const float *q, const float *keys, int64_t n, int64_t hd, float scale, float *scores) {
@@ -85,6 +141,7 @@ static inline void accumulate_rows(float *o, const float *p, const float *values
         for (int c = 0; c < 8; c++) _mm256_storeu_ps(o + i + 8 * c, acc[c]);
     }
 }
+#endif
 #else
 static inline float dot(const float *a, const float *b, int64_t n) {
     float s = 0.0f;
@@ -179,20 +236,118 @@ static inline void attend(const PagedKV *c, const float *q, int64_t g, int64_t n
     for (int64_t e = 0; e < ne; e++) axpy(o, scores[nc + e], ev + e * hd, hd);
 }
 
-/* y[M, N] = x[M, K] @ w[N, K].T with w float32, bfloat16 or int8 with a float32 scale per row (FORMAT_*). */
+/* y[M, N] = x[M, K] @ w[N, K].T with w float32, bfloat16 or int8 with a float32 scale per row (FORMAT_*).
+ * int8 matrices come packed (`packed_int8_linear`), as draft_weights.py lays them out. */
 enum { FORMAT_F32, FORMAT_BF16, FORMAT_INT8 };
 
 int ember_dense_linear_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
                            int64_t K, int num_threads);
-int ember_int8_linear(const void *x, int x_bf16, const int8_t *w, const float *scale, void *y, int y_bf16,
-                      int64_t M, int64_t N, int64_t K, int num_threads);
 int ember_dense_linear_bf16(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M, int64_t N,
                             int64_t K, int num_threads);
+
+/* Packed int8: the outputs in blocks of PACK (the last padded with zero rows and zero scales), each block's
+ * weights [K][PACK], the block's outputs fastest. One 16-byte load is 16 outputs' weights at one input, so the
+ * products are a broadcast input times a vector and the sums build up in 16 outputs' lanes at once. Laid out by
+ * row ([N][K]), a drafter's small matrices (K of 256-768) spent as long on each output's horizontal sum and
+ * scalar store as on its products: the drafters' linears ran at ~17 GMAC/s, a third of this core's widening rate.
+ * Sums are in float32 over the exactly widened weights, in a different order from the row layout's. */
+#define PACK 16
+#define PACK_ROWS 4  /* input rows per pass over a block: 4 x 4 accumulators + the widened weights in registers */
+
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) void packed_block(const float *x, const int8_t *wb, const float *sc,
+                                                               float *y, int64_t N, int64_t K, int64_t n0,
+                                                               const int mg) {
+    __m512 a[PACK_ROWS][4]; /* four partial sums per row: independent FMA chains */
+    for (int m = 0; m < mg; m++)
+        for (int u = 0; u < 4; u++) a[m][u] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4)
+        for (int u = 0; u < 4; u++) {
+            const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(wb + (k + u) * PACK))));
+            for (int m = 0; m < mg; m++) a[m][u] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k + u]), w, a[m][u]);
+        }
+    for (; k < K; k++) {
+        const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wb + k * PACK))));
+        for (int m = 0; m < mg; m++) a[m][0] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), w, a[m][0]);
+    }
+    const __mmask16 mask = N - n0 >= PACK ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
+    const __m512 s = _mm512_loadu_ps(sc + n0);
+    for (int m = 0; m < mg; m++) {
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[m][0], a[m][1]), _mm512_add_ps(a[m][2], a[m][3]));
+        _mm512_mask_storeu_ps(y + m * N + n0, mask, _mm512_mul_ps(sum, s));
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __attribute__((always_inline)) void packed_block(const float *x, const int8_t *wb, const float *sc,
+                                                               float *y, int64_t N, int64_t K, int64_t n0,
+                                                               const int mg) {
+    __m256 a[PACK_ROWS][2][2]; /* [row][half of the block][partial sum] */
+    for (int m = 0; m < mg; m++)
+        for (int h = 0; h < 2; h++) a[m][h][0] = a[m][h][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++)
+        for (int h = 0; h < 2; h++) {
+            const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                _mm_loadl_epi64((const __m128i *)(wb + k * PACK + 8 * h))));
+            for (int m = 0; m < mg; m++)
+                a[m][h][k & 1] = _mm256_fmadd_ps(_mm256_set1_ps(x[m * K + k]), w, a[m][h][k & 1]);
+        }
+    float out[PACK];
+    for (int m = 0; m < mg; m++) {
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_ps(out + 8 * h, _mm256_mul_ps(_mm256_add_ps(a[m][h][0], a[m][h][1]),
+                                                        _mm256_loadu_ps(sc + n0 + 8 * h)));
+        for (int64_t n = n0; n < N && n < n0 + PACK; n++) y[m * N + n] = out[n - n0];
+    }
+}
+#else
+static inline void packed_block(const float *x, const int8_t *wb, const float *sc, float *y, int64_t N, int64_t K,
+                                int64_t n0, const int mg) {
+    for (int m = 0; m < mg; m++)
+        for (int64_t n = n0; n < N && n < n0 + PACK; n++) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < K; k++) s += x[m * K + k] * (float)wb[k * PACK + n - n0];
+            y[m * N + n] = s * sc[n];
+        }
+}
+#endif
+
+/* One block's outputs for every row of x. */
+static inline void packed_block_rows(const float *x, const int8_t *w, const float *scale, float *y, int64_t M,
+                                     int64_t N, int64_t K, int64_t b) {
+    const int8_t *wb = w + b * K * PACK;
+    for (int64_t m0 = 0; m0 < M; m0 += PACK_ROWS) {
+        const int64_t mg = M - m0 < PACK_ROWS ? M - m0 : PACK_ROWS;
+        const float *xm = x + m0 * K;
+        float *ym = y + m0 * N;
+        switch (mg) { /* constant row counts, so the accumulators stay in registers */
+            case 4: packed_block(xm, wb, scale, ym, N, K, b * PACK, 4); break;
+            case 3: packed_block(xm, wb, scale, ym, N, K, b * PACK, 3); break;
+            case 2: packed_block(xm, wb, scale, ym, N, K, b * PACK, 2); break;
+            default: packed_block(xm, wb, scale, ym, N, K, b * PACK, 1); break;
+        }
+    }
+}
+
+/* y[M, N] = x[M, K] @ (w * scale).T for packed int8 w (above). Blocks over threads only where the work pays for
+ * waking them (as quantized_linear.c decides); one thread runs outside OpenMP (an if(0) region still costs a
+ * GOMP_parallel call, a few percent of a drafter's step). */
+static inline void packed_int8_linear(const float *x, const int8_t *w, const float *scale, float *y, int64_t M,
+                                      int64_t N, int64_t K, int threads) {
+    const int64_t blocks = (N + PACK - 1) / PACK;
+    if (threads <= 1 || M * N * K < (1 << 20)) {
+        for (int64_t b = 0; b < blocks; b++) packed_block_rows(x, w, scale, y, M, N, K, b);
+        return;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) packed_block_rows(x, w, scale, y, M, N, K, b);
+}
 
 static inline void linear_in_format(int format, const void *w, const float *row_scale, const float *x, float *y,
                                     int64_t M, int64_t N, int64_t K, int threads) {
     if (format == FORMAT_INT8)
-        ember_int8_linear(x, 0, (const int8_t *)w, row_scale, y, 0, M, N, K, threads);
+        packed_int8_linear(x, (const int8_t *)w, row_scale, y, M, N, K, threads);
     else if (format == FORMAT_BF16)
         ember_dense_linear_bf16(x, (const uint16_t *)w, NULL, y, M, N, K, threads);
     else

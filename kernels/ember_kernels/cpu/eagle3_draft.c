@@ -180,3 +180,11 @@ int ember_eagle3_draft(const float *const *weights, int format, const float *con
     free(idx);
     return rc;
 }
+
+/* The drafters' packed int8 linear alone (draft_ops.h), for tests: y[M, N] float32. */
+int ember_packed_int8_linear(const float *x, const int8_t *w, const float *scale, float *y, int64_t M, int64_t N,
+                             int64_t K, int num_threads) {
+    if (M < 1 || N < 1 || K < 1) return 1;
+    packed_int8_linear(x, w, scale, y, M, N, K, num_threads);
+    return 0;
+}

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from ember_kernels.cpu.build import native_function
+from ember_kernels.cpu.draft_weights import FORMATS, kept_matrix
 
 _I64, _PTR, _INT, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _ARGTYPES = [_PTR, _INT, _PTR, _PTR, _F, _F, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64,
@@ -16,7 +17,6 @@ _ARGTYPES = [_PTR, _INT, _PTR, _PTR, _F, _F, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
 WEIGHT_NAMES = ("fc", "input_layernorm", "hidden_norm", "qkv", "o_proj", "post_attention_layernorm", "gate_up",
                 "down_proj", "norm", "lm_head", "embed")
 MATRICES = ("fc", "qkv", "o_proj", "gate_up", "down_proj", "lm_head")  # kept in `weight_format`
-FORMATS = ("float32", "bfloat16", "int8")  # the kernel's FORMAT_* values, in order
 
 
 def _function() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -39,20 +39,9 @@ class Eagle3Kernel:
                  draft_vocab: torch.Tensor, weight_format: str = "bfloat16") -> None:
         if len(weights) != len(WEIGHT_NAMES) or len(dims) != 7:
             raise ValueError(f"Eagle3Kernel takes {len(WEIGHT_NAMES)} weights and 7 dims")
-        if weight_format not in FORMATS:
-            raise ValueError(f"Eagle3Kernel: weight_format must be one of {FORMATS}, got {weight_format!r}")
-        kept, scales = [], []
-        for name, w in zip(WEIGHT_NAMES, weights, strict=True):
-            if w.dtype != torch.float32 or not w.is_cpu:
-                raise ValueError(f"Eagle3Kernel: weight {name} must be a float32 CPU tensor")
-            row_scale = None
-            if name in MATRICES and weight_format == "bfloat16":
-                w = w.to(torch.bfloat16)
-            elif name in MATRICES and weight_format == "int8":
-                row_scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-                w = (w / row_scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-            kept.append(w.contiguous())
-            scales.append(row_scale)
+        pairs = [kept_matrix("Eagle3Kernel", name, w, weight_format, MATRICES)
+                 for name, w in zip(WEIGHT_NAMES, weights, strict=True)]
+        kept, scales = [w for w, _ in pairs], [s for _, s in pairs]
         self.format = FORMATS.index(weight_format)
         self._weights = kept + [r for r in scales if r is not None]  # kept alive: the kernel reads them by address
         self._pointers = (ctypes.c_void_p * len(kept))(*(w.data_ptr() for w in kept))
