@@ -286,12 +286,20 @@ static inline __attribute__((always_inline)) void packed_block(const float *x, c
     __m256 a[PACK_ROWS][2][2]; /* [row][half of the block][partial sum] */
     for (int m = 0; m < mg; m++)
         for (int h = 0; h < 2; h++) a[m][h][0] = a[m][h][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k++)
+    int64_t k = 0;
+    for (; k + 2 <= K; k += 2)
+        for (int u = 0; u < 2; u++)
+            for (int h = 0; h < 2; h++) {
+                const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(wb + (k + u) * PACK + 8 * h))));
+                for (int m = 0; m < mg; m++)
+                    a[m][h][u] = _mm256_fmadd_ps(_mm256_set1_ps(x[m * K + k + u]), w, a[m][h][u]);
+            }
+    for (; k < K; k++)
         for (int h = 0; h < 2; h++) {
             const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                 _mm_loadl_epi64((const __m128i *)(wb + k * PACK + 8 * h))));
-            for (int m = 0; m < mg; m++)
-                a[m][h][k & 1] = _mm256_fmadd_ps(_mm256_set1_ps(x[m * K + k]), w, a[m][h][k & 1]);
+            for (int m = 0; m < mg; m++) a[m][h][0] = _mm256_fmadd_ps(_mm256_set1_ps(x[m * K + k]), w, a[m][h][0]);
         }
     float out[PACK];
     for (int m = 0; m < mg; m++) {
