@@ -26,12 +26,11 @@ class SpecDecoder:
         self.length = SpeculationLength(num_speculative_tokens, adaptive=adaptive,
                                         tree=bool(speculator.drafts_trees))
         self.max_batch_size = max_batch_size
-        # What a step and a proposal cost, for choosing the draft length: wall time, what serving gets. It was the
-        # process's CPU time on a CPU (a shared machine's other processes move it less), but the engine now runs
-        # each small step on one thread or two as measured (step_threads.py): a plain batch-8 step on one thread
-        # and its drafting steps on two (over 16 tokens) had their CPU time counted once and twice over, so
-        # drafts were priced at twice their wall cost. The decaying fits average over ~100 steps of noise.
-        self.clock = time.perf_counter
+        # What a step and a proposal cost, for choosing the draft length: on a CPU the process's CPU time, which a
+        # shared machine's other processes barely move (its wall time swings by more than drafts change a step:
+        # measured +-15% run to run at load 6-12 on 2 cores, so the choice flipped); elsewhere wall time (a GPU's
+        # work is not this process's CPU time).
+        self.clock = time.process_time if speculator.context.device.type == "cpu" else time.perf_counter
         self.max_model_len = max_model_len
         aux = tuple(int(i) for i in speculator.aux_layers())
         outside = [i for i in aux if not 0 <= i < num_layers]

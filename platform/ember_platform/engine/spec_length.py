@@ -171,102 +171,32 @@ def _solve_small(a: list[list[float]], b: list[float]) -> list[float]:
     return x
 
 
-def batch_group(requests: int) -> int:
-    """The batch-size group a step's cost is fitted in: requests 1, 2-3, 4-7, 8-15, ... (powers of two)."""
-    return max(1, requests).bit_length()
-
-
-# A group's own fit prices its steps once it has seen at least this much weight (decayed observations) of steps
-# without drafts and of steps with them: the contrast that measures what a draft adds at this batch size.
-MIN_GROUP_WEIGHT = 0.25  # a plain step every PROBE_EVERY steps stays above it (0.99 ** 64 = 0.53)
-
-
-@dataclass(slots=True)
-class _GroupCost:
-    """One batch-size group's fit, and how much of what it saw (decayed) had drafts and how much had none."""
-
-    fit: _DecayingFit
-    plain: _Average
-    drafting: _Average
-
-    def measured(self, attribute: str) -> bool:
-        """Whether the decayed count of `plain` or `drafting` steps reaches MIN_GROUP_WEIGHT."""
-        return getattr(self, attribute).total >= MIN_GROUP_WEIGHT
-
-
 class StepCost:
     """Seconds of a target step (pass, sampling, verification) as `a + r * requests + v * drafts + p * prefill`:
-    `requests` scheduled, `drafts` verified, and `prefill` the tokens beyond one per request (prompt chunks).
-
-    Fitted twice: over every step, and within the step's batch-size group (`batch_group`). What a draft adds is
-    not one number across batch sizes: on a CPU serving the example model a draft row costs ~0.1 ms at batch 1 (the
-    pass is bound by its fixed costs) and ~0.15-0.2 ms at batch 8 (bound by compute), and one line through both,
-    fitted mostly on batch-1 steps that all drafted, priced drafts at 0 and made batch 8 draft at 0.86x of no
-    speculation. So a group's own fit prices its steps once it has seen steps with and without drafts; until then
-    a step without drafts is priced by the fit over all steps, and a draft as pessimistically as the module says:
-    at what a decoding request costs at that batch (compute-bound), so drafting at a new batch size is not bet on
-    before probes measured it there."""
+    `requests` scheduled, `drafts` verified, and `prefill` the tokens beyond one per request (prompt chunks)."""
 
     def __init__(self) -> None:
         self._fit = _DecayingFit(4, per_unit=(1, 2, 3))
-        self._groups: dict[int, _GroupCost] = {}
         self.num_steps = 0
 
     def record(self, seconds: float, *, requests: int, drafts: int, prefill: int) -> None:
         if requests < 1 or drafts < 0 or prefill < 0 or not math.isfinite(seconds) or seconds <= 0:
             return
-        x = (1.0, float(requests), float(drafts), float(prefill))
-        self._fit.add(x, seconds)
-        group = self._groups.get(batch_group(requests))
-        if group is None:
-            group = self._groups[batch_group(requests)] = _GroupCost(_DecayingFit(4, per_unit=(1, 2, 3)),
-                                                                     _Average(), _Average())
-        group.fit.add(x, seconds)
-        group.plain.add(1.0 if drafts == 0 else 0.0)
-        group.drafting.add(1.0 if drafts > 0 else 0.0)
+        self._fit.add((1.0, float(requests), float(drafts), float(prefill)), seconds)
         self.num_steps += 1
 
     @property
     def draft_seconds(self) -> float | None:
-        """What one more verified draft adds to a step, fitted over every step (never below 0: noise does not make
-        drafts pay)."""
+        """What one more verified draft adds to a step (never below 0: noise does not make drafts pay)."""
         return None if self._fit.empty else max(0.0, self._fit.theta()[2])
-
-    def drafts_measured(self, requests: int) -> bool:
-        """Whether steps with drafts were measured at this batch size (its group)."""
-        group = self._groups.get(batch_group(requests))
-        return group is not None and group.measured("drafting")
-
-    def _group(self, requests: int) -> _GroupCost | None:
-        group = self._groups.get(batch_group(requests))
-        return group if group is not None and group.measured("plain") else None
-
-    def plain_seconds(self, requests: int, prefill: int = 0) -> float | None:
-        """Seconds of a step of `requests` decoding requests without drafts (plus `prefill` prompt tokens): the
-        group's fit where it has measured such steps, else the fit over every step; None before any step."""
-        if self._fit.empty:
-            return None
-        group = self._group(requests)
-        a, r, _, p = (group.fit if group is not None else self._fit).theta()
-        return max(a + r * requests + max(0.0, p) * prefill, 1e-9)
-
-    def draft_seconds_at(self, requests: int) -> float | None:
-        """What one more verified draft adds to a step of `requests` requests: the group's fit where it has seen
-        steps with drafts and without, else a decoding request's share of a plain step (compute-bound)."""
-        plain = self.plain_seconds(requests)
-        if plain is None:
-            return None
-        group = self._group(requests)
-        if group is not None and group.measured("drafting"):
-            return max(0.0, group.fit.theta()[2])
-        return plain / requests
 
     def predict(self, requests: int, drafts: int, prefill: int = 0) -> float | None:
         """Seconds for such a step; None before any step was measured."""
-        plain = self.plain_seconds(requests, prefill)
-        if plain is None:
+        if self._fit.empty:
             return None
-        return plain + (self.draft_seconds_at(requests) or 0.0) * drafts if drafts else plain
+        a, r, v, p = self._fit.theta()
+        plain = a + r * requests + max(0.0, p) * prefill
+        return max(plain, 1e-9) + max(0.0, v) * drafts
 
 
 class DraftCost:
@@ -374,10 +304,7 @@ class SpeculationLength:
         if num_decoding < 1:
             return 0
         self._steps += 1
-        # Warm-up: the first steps, and every step at a batch size where no step with drafts was measured yet
-        # (the speculator proposed nothing so far, or the batch grew into a new group): the full k for
-        # PROBE_REQUESTS requests, until a draft's cost is measured there rather than assumed.
-        warm_up = self._steps <= WARMUP_STEPS or not self.cost.drafts_measured(num_decoding)
+        warm_up = self._steps <= WARMUP_STEPS
         self.best_k = 0 if warm_up else self._best(num_decoding)
         self.probing = warm_up or self._probe_due(num_decoding)
         if self.probing:
@@ -410,7 +337,7 @@ class SpeculationLength:
         plain = self.cost.predict(num_decoding, 0)
         if plain is None:
             return self.max_k  # nothing measured yet
-        per_draft = self.cost.draft_seconds_at(num_decoding) or 0.0
+        per_draft = self.cost.draft_seconds or 0.0
         best_k, best_rate = 0, 1.0 / plain
         expected, survive = 1.0, 1.0
         for k in range(1, self.max_k + 1):

@@ -257,11 +257,9 @@ def test_cheap_prefill_tokens_do_not_make_wide_decode_steps_look_cheap() -> None
     spec, chosen = with_cost_model(compute_bound, 12)
     assert stream(spec, prompts, 12) == plain  # exact, whatever length was chosen
     assert sum(tokens - requests - drafts >= 20 for tokens, requests, drafts in steps) >= len(steps) // 4  # prompts
-    # Steps that verified drafts: the warm-up, then probes only: every PROBE_EVERY steps at most, and one each time
-    # the batch halves as the last requests finish (a batch size where no draft was measured yet: its warm-up
-    # offers drafts until one step has them, which costs nothing while prompt lookup finds none to propose).
-    drafted = sum(drafts > 0 for _, _, drafts in steps)
-    assert drafted <= WARMUP_STEPS + len(steps) // PROBE_EVERY + 1 + math.ceil(math.log2(12)), (drafted, chosen)
+    steady = chosen[WARMUP_STEPS:]
+    # probes only: every PROBE_EVERY steps at most, and once each time the batch halves as the last requests finish
+    assert steady.count(0) >= len(steady) - len(steady) // PROBE_EVERY - 1 - math.ceil(math.log2(12)), chosen
     # The same workload where a wider pass is nearly free (a GPU at this batch): the drafts pay, k stays high.
     spec, chosen = with_cost_model(lambda tokens, requests, drafts: 0.010 + 0.00002 * (tokens - requests - drafts),
                                    12)
@@ -301,37 +299,3 @@ def test_the_fits_small_solver_agrees_with_lapack() -> None:
         a, b = m @ m.T + np.eye(n) * 1e-3, rng.normal(size=n)
         x = _solve_small([list(row) for row in a], list(b))
         assert np.allclose(x, np.linalg.solve(a, b), rtol=1e-6, atol=1e-9)
-
-
-def serve(length: SpeculationLength, batch: int, steps: int, cost: Callable[[int], float],
-          acceptance: float, rng: random.Random) -> list[int]:
-    """`steps` decode steps of `batch` requests through the chooser: each request gets its `lengths`, the step
-    costs `cost(tokens)`, each draft is accepted with `acceptance` once the ones before it were; the steps'
-    verified drafts."""
-    drafted = []
-    for _ in range(steps):
-        length.choose(batch)
-        lengths = length.lengths(batch)
-        drafts = sum(lengths)
-        length.record_step(batch + drafts, cost(batch + drafts), requests=batch, drafts=drafts)
-        for k in lengths:
-            accepted = 0
-            while accepted < k and rng.random() < acceptance:
-                accepted += 1
-            length.record_verified(k, accepted)
-        drafted.append(drafts)
-    return drafted
-
-
-def test_drafts_priced_at_one_batch_size_are_not_assumed_at_another() -> None:
-    # Batch 1 bound by fixed costs (a draft row nearly free: the full k pays), then batch 8 bound by compute (a
-    # draft costs what a request does: no k pays at 70% acceptance). One fit through both priced drafts at their
-    # batch-1 cost and kept drafting at 8; each batch size's own fit measures them there, after one probe step.
-    length, rng = SpeculationLength(3), random.Random(0)
-    weight_bound = lambda tokens: 0.010 + 0.0001 * tokens  # noqa: E731
-    assert serve(length, 1, 200, weight_bound, 0.7, rng)[-50:].count(3) >= 49  # but a periodic plain step
-    at_8 = serve(length, 8, 300, lambda tokens: 0.0005 * tokens, 0.7, rng)
-    assert sum(d > 0 for d in at_8) <= 3 + len(at_8) // PROBE_EVERY, at_8
-    assert at_8[-30:] == [0] * 30
-    # back at batch 1 its own measurements still hold: the full k at once
-    assert serve(length, 1, 10, weight_bound, 0.7, rng).count(3) >= 9  # (and perhaps the periodic plain step)
