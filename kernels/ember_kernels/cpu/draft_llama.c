@@ -19,7 +19,8 @@
  * them): in float32 they agree but for near-ties.
  *
  * Weights: pointers in the order W_* then L_* per layer; the matrices (qkv, o, gate_up, down, lm_head) float32,
- * bfloat16 or int8 with a float32 scale per output row (`format`, draft_ops.h); norms and the embedding float32.
+ * bfloat16 or int8 with a float32 scale per output row, packed in blocks of 16 outputs (`format`, draft_ops.h);
+ * norms and the embedding float32.
  * A draft position streams every matrix (the example's are 3.7 MB in float32, more than a core's L2 cache), so
  * narrower ones make a draft position cheaper.
  * Layouts (row-major, contiguous): matrices as nn.Linear ([out, in]); caches per layer [num_blocks, Hkv, S, hd]

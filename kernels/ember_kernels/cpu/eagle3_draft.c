@@ -21,9 +21,10 @@
  * them), but they are the same math in float32, so they agree but for near-ties.
  *
  * Weights: the matrices (fc, qkv, o, gate_up, down, the LM head's draft rows) float32, bfloat16 (widened exactly
- * in the linear kernel) or int8 with a float32 scale per output row (`format`): the draft is bound by streaming
- * them (~4 MB in float32 on the example, more than its L2 holds, once per draft position), so narrower weights
- * make a draft position cheaper; norms and the embedding table stay float32.
+ * in the linear kernel) or int8 with a float32 scale per output row, packed in blocks of 16 outputs (`format`,
+ * draft_ops.h): the draft is bound by streaming them (~4 MB in float32 on the example, more than its L2 holds,
+ * once per draft position), so narrower weights make a draft position cheaper; norms and the embedding table stay
+ * float32.
  * Layouts (row-major, contiguous, float32 unless said): weights as nn.Linear ([out, in]); caches [num_blocks, Hkv, S, hd];
  * table int32 [T], the request's blocks; aux rows: three pointers to [R, D]; cos/sin [R + k - 1, hd].
  * Returns 0; 1 for bad arguments (a block id, position or token out of range); 2 if memory ran out.
