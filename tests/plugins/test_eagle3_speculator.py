@@ -271,7 +271,6 @@ def test_heads_for_another_model_or_broken_ones_are_refused(tmp_path: Path) -> N
                 speculator_options=options)
 
 
-
 def test_the_native_steps_rope_rows_are_the_computed_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     # The native step reads cos/sin as views of a table grown on demand; past the table's limit they are computed.
     from ember_plugins.speculators import eagle3 as module
