@@ -30,11 +30,12 @@ known when its drafts are made). Measurements decay (the load changes), and a st
 for a few requests, so that acceptance and the cost of drafts stay measured even while they do not pay (less and
 less often while each such probe confirms they do not: a probe costs a model-backed drafter a pass over the probed
 requests' contexts), and one now and then drafts none, so that what speculation is compared with stays measured
-too. A direction the measurements do not tell apart (only plain steps seen, say) is
-priced pessimistically, every token at the average cost per token seen, as if compute-bound: a draft is not bet on
-before it was measured. The same logic keeps k high where a wider pass is nearly free (a GPU at moderate batch:
-`v` measures ~0). There is no batch-size cut-off: `[speculator] max_batch_size` is an optional ceiling a user may
-set above this.
+too. While drafts pay, the position just past the chosen length is probed often until it is measured
+(MIN_REACHED): only probes ever measure it. A direction the measurements do not tell apart (only plain steps seen,
+say) is priced pessimistically, every token at the average cost per token seen, as if compute-bound: a draft is not
+bet on before it was measured. The same logic keeps k high where a wider pass is nearly free (a GPU at moderate
+batch: `v` measures ~0). There is no batch-size cut-off: `[speculator] max_batch_size` is an optional ceiling a
+user may set above this.
 """
 
 from __future__ import annotations
@@ -58,6 +59,20 @@ WARMUP_STEPS = 8  # the first steps draft the full k: nothing is measured yet
 # every request would cost k + 1 times a step each time (~5% of the throughput at batch 32 with k = 3, probing
 # every 64 steps).
 PROBE_REQUESTS = 2
+# The draft position just past the chosen length is measured only by probes (a request drafting k drafts tells
+# nothing of draft k + 1). While drafts pay (a length >= 1 chosen) and that position has been reached fewer than
+# MIN_REACHED times (its prior's 2 included), every EXPLORE_EVERY-th step probes, so that a few unlucky first drafts
+# do not keep the length short for hundreds of steps: at batch 1 the example's EAGLE-3 and Medusa each stayed at
+# k = 1 for 100-500 steps of a ~600-step run in about one run of three (draft 2 measured 0.17-0.33 from a handful
+# of early samples, ~0.8 once measured), at ~0.7x the tokens per step of the runs that did not. A position is
+# reached at most once per probed request, so this ends after about MIN_REACHED probes of each position, and after
+# MAX_EXPLORE_PROBES in all (a position behind drafts that are almost never accepted may never be reached that
+# often, and then hardly matters). Where no length pays, probes keep their backing-off interval: a probe there
+# widens a pass that measured too costly already.
+MIN_REACHED = 24.0
+EXPLORE_EVERY = 2
+MAX_EXPLORE_PROBES = 128
+EXPLORE_GAIN = 0.02  # ... and only while such drafts, all accepted, would beat the chosen length by this much
 # The pull of the pessimistic prior on each fitted coefficient, in observations of that feature's mean square: it
 # decides only directions the measurements leave open.
 RIDGE = 0.002
@@ -235,6 +250,8 @@ class SpeculationLength:
         self._probe_every = PROBE_EVERY  # grows while probes find drafts do not pay (MAX_PROBE_EVERY)
         self._next_probe = PROBE_EVERY
         self._probe_batch = 0  # decoding requests at the last probe
+        self._last_probe = 0  # the step of the last probe
+        self._explore_probes = 0  # probes made because the next position was under-measured (MIN_REACHED)
         self.k = max_k  # the last step's drafts per request (the most any request got)
         self.best_k = max_k  # the last length chosen from the measurements (what a probe step gives the others)
         self.probing = False  # the last choice was a warm-up or probe step (see PROBE_REQUESTS)
@@ -305,7 +322,7 @@ class SpeculationLength:
             return 0
         self._steps += 1
         warm_up = self._steps <= WARMUP_STEPS
-        self.best_k = 0 if warm_up else self._best(num_decoding)
+        self.best_k = 0 if warm_up else self._best(num_decoding)[0]
         self.probing = warm_up or self._probe_due(num_decoding)
         if self.probing:
             self.k = self.max_k
@@ -324,24 +341,46 @@ class SpeculationLength:
         elif self.best_k:
             self._probe_every = PROBE_EVERY
             self._next_probe = min(self._next_probe, self._steps + PROBE_EVERY)
-        if self._steps < self._next_probe:
+        explore = self._steps - self._last_probe >= EXPLORE_EVERY and self._under_measured(num_decoding)
+        if self._steps < self._next_probe and not explore:
             return False
+        if self._steps < self._next_probe:  # early, to measure the next position (not a probe of the regime)
+            self._explore_probes += 1
+            self._last_probe = self._steps
+            return True
+        self._last_probe = self._steps
         if not self.best_k:
             self._probe_every = min(2 * self._probe_every, MAX_PROBE_EVERY)
         self._next_probe = self._steps + self._probe_every
         self._probe_batch = num_decoding
         return True
 
-    def _best(self, num_decoding: int) -> int:
-        """argmax_k of `rate` (written out: it runs every step)."""
+    def _under_measured(self, num_decoding: int) -> bool:
+        """Whether the draft position past the chosen length has too few measurements to judge (MIN_REACHED), and
+        judging it could change the length: drafts accepted every time from there on would pay more than the
+        length chosen (EXPLORE_GAIN). Where they would not (a pass bound by compute, a drafter costlier than what
+        its drafts could save), measuring them buys nothing."""
+        if not 0 < self.best_k < self.max_k or self._explore_probes >= MAX_EXPLORE_PROBES:
+            return False
+        if self._reached[self.best_k + 1] >= MIN_REACHED:
+            return False
+        chosen_rate = self._best(num_decoding)[1]
+        best_k, best_rate = self._best(num_decoding, accepted_from=self.best_k + 1)
+        return best_k > self.best_k and best_rate > (1.0 + EXPLORE_GAIN) * chosen_rate
+
+    def _best(self, num_decoding: int, accepted_from: int | None = None) -> tuple[int, float]:
+        """argmax_k of `rate` and its rate per request (written out: it runs every step); `accepted_from`: as if
+        every draft from that position on were accepted."""
         plain = self.cost.predict(num_decoding, 0)
         if plain is None:
-            return self.max_k  # nothing measured yet
+            return self.max_k, 0.0  # nothing measured yet
         per_draft = self.cost.draft_seconds or 0.0
         best_k, best_rate = 0, 1.0 / plain
         expected, survive = 1.0, 1.0
         for k in range(1, self.max_k + 1):
-            if self.tree:
+            if accepted_from is not None and k >= accepted_from:
+                expected += survive if not self.tree else 1.0
+            elif self.tree:
                 expected += self._accepted[k] / self._reached[k]
             else:
                 survive *= self._accepted[k] / self._reached[k]
@@ -349,7 +388,7 @@ class SpeculationLength:
             seconds = plain + per_draft * num_decoding * k + self.draft_cost.predict(k, num_decoding)
             if expected / seconds > best_rate:  # per request: num_decoding cancels
                 best_k, best_rate = k, expected / seconds
-        return best_k
+        return best_k, best_rate
 
     def lengths(self, num_eligible: int) -> list[int]:
         """Drafts for each of the step's `num_eligible` decoding requests (in batch order) after `choose`: the

@@ -103,6 +103,32 @@ def test_probes_keep_their_interval_while_drafts_pay() -> None:
     assert flat._probe_every == PROBE_EVERY
 
 
+def test_a_few_unlucky_first_drafts_do_not_keep_the_length_short() -> None:
+    # Batch 1, a step of 1 ms and 0.2 ms per draft, every draft accepted 80% of the time once the ones before it
+    # were: three drafts pay most (2.95 tokens for 1.6 ms, against 1.8 for 1.2 ms with one). But the warm-up's
+    # drafts happened to be rejected from the second on, so the second position measures 0.1 after it and one
+    # draft looks best. A request drafting one token never measures the second: before the exploring probes only
+    # the probe every PROBE_EVERY steps did, and the length stayed at 1 for hundreds of steps.
+    length = SpeculationLength(3)
+    rng = random.Random(1)
+    chosen = []
+    for step in range(WARMUP_STEPS + 160):
+        k = length.choose(1)
+        chosen.append(k)
+        drafted = length.lengths(1)[0]
+        length.record_step(1 + drafted, 0.001 + 0.0002 * drafted, requests=1, drafts=drafted)
+        if step < WARMUP_STEPS:
+            accepted = min(drafted, 1)  # the unlucky start
+        else:
+            accepted = 0
+            while accepted < drafted and rng.random() < 0.8:
+                accepted += 1
+        length.record_verified(drafted, accepted)
+    assert 1 in chosen[WARMUP_STEPS:WARMUP_STEPS + 16]  # what the unlucky start measured
+    later = chosen[WARMUP_STEPS + 80:]
+    assert later.count(3) >= 0.9 * len(later), chosen
+
+
 def test_fixed_length_when_not_adaptive() -> None:
     fixed = SpeculationLength(3, adaptive=False)
     fixed.record_step(4, 1.0, requests=1, drafts=3)
