@@ -7,6 +7,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "simd.h"
@@ -338,18 +339,167 @@ static inline void packed_block_rows(const float *x, const int8_t *w, const floa
     }
 }
 
-/* y[M, N] = x[M, K] @ (w * scale).T for packed int8 w (above). Blocks over threads only where the work pays for
- * waking them (as quantized_linear.c decides); one thread runs outside OpenMP (an if(0) region still costs a
- * GOMP_parallel call, a few percent of a drafter's step). */
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+/* W8A8 on a CPU with AVX512-VNNI (and VBMI's byte permute): each row of x rounded to int8 on a scale of its own
+ * (max |x| / 127), then vpdpbusd sums four products of bytes per instruction into int32: 64 multiply-adds where
+ * the widening path above does 16 with two conversions. The drafters' linears are bound by instructions, not by
+ * their weights (on the example, EAGLE-3's ~1M int8 weights sit in L2 and are read once per draft position), so
+ * this costs a quarter of their instructions. It rounds activations: a draft may differ from the float32 head's
+ * at a near-tie, which only the acceptance can see (the target verifies every draft).
+ *
+ * The weights stay in the packed layout: four inputs' 16-byte rows (64 bytes) are permuted so that each output's
+ * lane holds its four weights, and flipped to unsigned (w + 128, vpdpbusd's unsigned operand); the rows' 128 *
+ * sum(x) is subtracted after. Inputs past the last four run on their own (scalar products of int8 in int32). */
+#define DRAFT_W8A8 1
+#define W8A8_STACK_BYTES 16384
+
+/* Byte j of the permuted 64 bytes is output j / 4's weight at input j % 4 of the four: byte (j % 4) * 16 + j / 4. */
+static inline __m512i w8a8_transpose_index(void) {
+    uint8_t idx[64];
+    for (int j = 0; j < 64; j++) idx[j] = (uint8_t)((j % 4) * PACK + j / 4);
+    return _mm512_loadu_si512(idx);
+}
+
+/* Rows of x rounded to int8 (the row's scale in xs[m]); qsum[m] = 128 * the sum of the row's int8 values over
+ * the inputs of whole fours (what the unsigned weights add). */
+static inline void w8a8_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs, int32_t *qsum) {
+    const int64_t whole = K / 4 * 4;
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        int8_t *q = xq + m * K;
+        __m512 vmax = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+        float amax = _mm512_reduce_max_ps(vmax);
+        for (; k < K; k++) amax = row[k] > amax ? row[k] : (-row[k] > amax ? -row[k] : amax);
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        xs[m] = amax / 127.0f;
+        const __m512 vinv = _mm512_set1_ps(inv);
+        __m512i vsum = _mm512_setzero_si512();
+        int32_t sum = 0;
+        for (k = 0; k + 16 <= K; k += 16) {
+            /* to nearest, ties to even (the default rounding mode), as torch.round */
+            const __m512i r = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(
+                _mm512_mul_ps(_mm512_loadu_ps(row + k), vinv))));
+            _mm_storeu_si128((__m128i *)(q + k), _mm512_cvtepi32_epi8(r));
+            if (k + 16 <= whole) vsum = _mm512_add_epi32(vsum, r);
+            else
+                for (int64_t j = k; j < whole; j++) sum += q[j];
+        }
+        for (; k < K; k++) {
+            float r = nearbyintf(row[k] * inv);
+            r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+            q[k] = (int8_t)r;
+            if (k < whole) sum += (int32_t)r;
+        }
+        qsum[m] = 128 * (sum + _mm512_reduce_add_epi32(vsum));
+    }
+}
+
+static inline __attribute__((always_inline)) void w8a8_block(const int8_t *xq, const float *xs, const int32_t *qsum,
+                                                             const int8_t *wb, const float *sc, float *y, int64_t N,
+                                                             int64_t K, int64_t n0, const int mg,
+                                                             const __m512i index) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512i a[PACK_ROWS][2]; /* two chains per row: vpdpbusd's latency */
+    for (int m = 0; m < mg; m++) a[m][0] = a[m][1] = _mm512_setzero_si512();
+    const int64_t fours = K / 4;
+    int64_t g = 0;
+    for (; g + 2 <= fours; g += 2)
+        for (int u = 0; u < 2; u++) {
+            const __m512i w = _mm512_xor_si512(
+                _mm512_permutexvar_epi8(index, _mm512_loadu_si512(wb + (g + u) * 4 * PACK)), flip);
+            for (int m = 0; m < mg; m++) {
+                int32_t four;
+                memcpy(&four, xq + m * K + (g + u) * 4, 4);
+                a[m][u] = _mm512_dpbusd_epi32(a[m][u], w, _mm512_set1_epi32(four));
+            }
+        }
+    for (; g < fours; g++) {
+        const __m512i w = _mm512_xor_si512(_mm512_permutexvar_epi8(index, _mm512_loadu_si512(wb + g * 4 * PACK)),
+                                           flip);
+        for (int m = 0; m < mg; m++) {
+            int32_t four;
+            memcpy(&four, xq + m * K + g * 4, 4);
+            a[m][0] = _mm512_dpbusd_epi32(a[m][0], w, _mm512_set1_epi32(four));
+        }
+    }
+    for (int64_t k = fours * 4; k < K; k++) { /* the last inputs, signed, unflipped */
+        const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wb + k * PACK)));
+        for (int m = 0; m < mg; m++)
+            a[m][1] = _mm512_add_epi32(a[m][1], _mm512_mullo_epi32(w, _mm512_set1_epi32(xq[m * K + k])));
+    }
+    const __mmask16 mask = N - n0 >= PACK ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
+    const __m512 s = _mm512_loadu_ps(sc + n0);
+    for (int m = 0; m < mg; m++) {
+        const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(a[m][0], a[m][1]), _mm512_set1_epi32(qsum[m]));
+        _mm512_mask_storeu_ps(y + m * N + n0, mask,
+                              _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(_mm512_set1_ps(xs[m]), s)));
+    }
+}
+
+static inline void w8a8_block_rows(const int8_t *xq, const float *xs, const int32_t *qsum, const int8_t *w,
+                                   const float *scale, float *y, int64_t M, int64_t N, int64_t K, int64_t b) {
+    const int8_t *wb = w + b * K * PACK;
+    const __m512i index = w8a8_transpose_index();
+    for (int64_t m0 = 0; m0 < M; m0 += PACK_ROWS) {
+        const int64_t mg = M - m0 < PACK_ROWS ? M - m0 : PACK_ROWS;
+        const int8_t *xm = xq + m0 * K;
+        float *ym = y + m0 * N;
+        switch (mg) {
+            case 4: w8a8_block(xm, xs + m0, qsum + m0, wb, scale, ym, N, K, b * PACK, 4, index); break;
+            case 3: w8a8_block(xm, xs + m0, qsum + m0, wb, scale, ym, N, K, b * PACK, 3, index); break;
+            case 2: w8a8_block(xm, xs + m0, qsum + m0, wb, scale, ym, N, K, b * PACK, 2, index); break;
+            default: w8a8_block(xm, xs + m0, qsum + m0, wb, scale, ym, N, K, b * PACK, 1, index); break;
+        }
+    }
+}
+#endif
+
+/* y[M, N] = x[M, K] @ (w * scale).T for packed int8 w (above): W8A8 where the CPU has VNNI (DRAFT_W8A8), the
+ * widened int8 weights times float32 x elsewhere (and if memory for the rounded rows runs out). Blocks over
+ * threads only where the work pays for waking them (as quantized_linear.c decides); one thread runs outside
+ * OpenMP (an if(0) region still costs a GOMP_parallel call, a few percent of a drafter's step). */
 static inline void packed_int8_linear(const float *x, const int8_t *w, const float *scale, float *y, int64_t M,
                                       int64_t N, int64_t K, int threads) {
     const int64_t blocks = (N + PACK - 1) / PACK;
-    if (threads <= 1 || M * N * K < (1 << 20)) {
+    const int parallel = threads > 1 && M * N * K >= (1 << 20);
+#ifdef DRAFT_W8A8
+    /* the rounded rows, their scales and sums: on the stack for a drafter's few rows, else from the heap */
+    const size_t bytes = (size_t)M * (sizeof(float) + sizeof(int32_t)) + (size_t)(M * K);
+    _Alignas(64) char stack[W8A8_STACK_BYTES];
+    char *buffer = bytes <= sizeof stack ? stack : (char *)malloc(bytes);
+    if (buffer != NULL) {
+        float *xs = (float *)buffer;
+        int32_t *qsum = (int32_t *)(buffer + M * sizeof(float));
+        int8_t *xq = (int8_t *)(buffer + M * (sizeof(float) + sizeof(int32_t)));
+        w8a8_quantize(x, M, K, xq, xs, qsum);
+        if (!parallel) {
+            for (int64_t b = 0; b < blocks; b++) w8a8_block_rows(xq, xs, qsum, w, scale, y, M, N, K, b);
+        } else {
+#pragma omp parallel for num_threads(threads) schedule(static)
+            for (int64_t b = 0; b < blocks; b++) w8a8_block_rows(xq, xs, qsum, w, scale, y, M, N, K, b);
+        }
+        if (buffer != stack) free(buffer);
+        return;
+    }
+#endif
+    if (!parallel) {
         for (int64_t b = 0; b < blocks; b++) packed_block_rows(x, w, scale, y, M, N, K, b);
         return;
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) packed_block_rows(x, w, scale, y, M, N, K, b);
+}
+
+/* Whether packed int8 linears round their inputs to int8 (W8A8, DRAFT_W8A8) on this build: 8, else 32. */
+static inline int packed_int8_activation_bits(void) {
+#ifdef DRAFT_W8A8
+    return 8;
+#else
+    return 32;
+#endif
 }
 
 static inline void linear_in_format(int format, const void *w, const float *row_scale, const float *x, float *y,

@@ -1,5 +1,6 @@
 """The native drafters' matrices as their kernels read them (draft_ops.h): float32, bfloat16, or int8 packed in
-blocks of 16 outputs with a float32 scale per output."""
+blocks of 16 outputs with a float32 scale per output. On a CPU with AVX512-VNNI the int8 linear rounds its inputs
+to int8 too (W8A8, a scale per row: `packed_int8_activation_bits`, `round_rows_int8`)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,20 @@ def packed_int8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     rc = fn(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), out.data_ptr(), x.shape[0], out_features, x.shape[1],
             num_threads)
     return out if rc == 0 else None
+
+
+def packed_int8_activation_bits() -> int | None:
+    """8 where the drafters' packed int8 linear rounds its inputs to int8 (W8A8: AVX512-VNNI), 32 where it computes
+    with them in float32; None if the native library is unavailable."""
+    fn = native_function("ember_packed_int8_activation_bits", [])
+    return None if fn is None else int(fn())
+
+
+def round_rows_int8(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 as the W8A8 kernel computes with it: each row rounded to int8 on its own scale (max |x| /
+    127; to nearest, ties to even), as float32 (for tests and references)."""
+    x = x.float()
+    amax = x.abs().amax(dim=1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(x * inv).clamp(-127, 127)
+    return q * (amax / 127)

@@ -189,3 +189,6 @@ int ember_packed_int8_linear(const float *x, const int8_t *w, const float *scale
     packed_int8_linear(x, w, scale, y, M, N, K, num_threads);
     return 0;
 }
+
+/* 8 where packed int8 linears round their inputs to int8 (W8A8: a CPU with AVX512-VNNI), else 32. */
+int ember_packed_int8_activation_bits(void) { return packed_int8_activation_bits(); }
