@@ -70,6 +70,12 @@ def packed_int8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     return out if rc == 0 else None
 
 
+def packed_int8_available() -> bool:
+    """Whether the drafters' packed int8 linear can run here (the native library built and loaded)."""
+    return native_function("ember_packed_int8_linear", [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]) \
+        is not None
+
+
 def packed_int8_activation_bits() -> int | None:
     """8 where the drafters' packed int8 linear rounds its inputs to int8 (W8A8: AVX512-VNNI), 32 where it computes
     with them in float32; None if the native library is unavailable."""

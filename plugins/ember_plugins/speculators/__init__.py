@@ -12,7 +12,7 @@ def ember_speculators(register) -> None:
              summary="Medusa heads on the target's last hidden state draft k tokens at once through its LM head "
                      "(chain verification, or a top-k-per-head tree with options.tree); the heads come from "
                      "[speculator] model",
-             options=("model", "tree", "draft_vocab"))
+             options=("model", "tree", "draft_vocab", "native_draft", "native_draft_weights"))
     register("eagle3", "ember_plugins.speculators.eagle3:Eagle3Speculator",
              summary="EAGLE-3: a one-layer draft transformer on the fusion of the target's low, middle and high "
                      "hidden states drafts k tokens autoregressively with its own paged KV cache (a chain, or a "

@@ -35,7 +35,9 @@ import torch
 from torch import nn
 
 from ember_platform.api import Proposal, Speculator, SpeculatorContext, SpeculatorInputs
+from ember_plugins.speculators.medusa_native import FORMATS, NativeMedusa
 from ember_plugins.speculators.model_dir import read_model_config
+from ember_plugins.speculators.native_options import native_draft_choice, native_kernel_blocker, refuse_if_required
 
 WEIGHTS = "medusa.safetensors"
 
@@ -200,6 +202,23 @@ class MedusaSpeculator(Speculator):
         # head keeps its own weight format; its rows are taken from what it computes for the identity.
         self.draft_vocab = vocab.to(context.device) if vocab is not None else None
         self.head_weight = self._head_rows(self.draft_vocab) if self.draft_vocab is not None else None
+        self.native = self._native(*native_draft_choice(self.options, FORMATS))
+
+    def _native(self, wanted: bool | None, weight_format: str) -> NativeMedusa | None:
+        """The heads (and draft-vocabulary rows) through the native CPU linears (module docstring, option
+        `native_draft`), or None for the torch ops."""
+        if wanted is False:
+            return None
+        why = native_kernel_blocker(self.context, None, "ember_kernels.cpu.draft_weights", "packed_int8_available")
+        if why is not None:
+            refuse_if_required(wanted, why)
+            return None
+        assert self.heads.weight is not None and self.heads.bias is not None
+        return NativeMedusa(self.heads.weight, self.heads.bias, self.head_weight, weight_format)
+
+    def _head_states(self, newest: torch.Tensor, num_heads: int) -> torch.Tensor:
+        """[n, D] -> [num_heads, n, D]: the heads' outputs, inputs of the LM head."""
+        return self.heads(newest, num_heads) if self.native is None else self.native.head_states(newest, num_heads)
 
     def _head_rows(self, vocab: torch.Tensor) -> torch.Tensor:
         weight = getattr(self.lm_head, "weight", None)
@@ -213,14 +232,19 @@ class MedusaSpeculator(Speculator):
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, V or N]: the LM head over the draft vocabulary if any (ids: `_ids`)."""
-        return self.lm_head(x) if self.head_weight is None else torch.nn.functional.linear(x, self.head_weight)
+        if self.head_weight is None:
+            return self.lm_head(x)
+        if self.native is not None:
+            return self.native.logits(x)
+        return torch.nn.functional.linear(x, self.head_weight)
 
     def _ids(self, index: torch.Tensor) -> torch.Tensor:
         return index if self.draft_vocab is None else self.draft_vocab[index]
 
     def memory_bytes(self) -> int:
         rows = self.head_weight.numel() * self.head_weight.element_size() if self.head_weight is not None else 0
-        return rows + sum(p.numel() * p.element_size() for p in self.heads.parameters())
+        native = self.native.memory_bytes() if self.native is not None else 0
+        return rows + native + sum(p.numel() * p.element_size() for p in self.heads.parameters())
 
     @torch.inference_mode()
     def propose(self, inputs: SpeculatorInputs) -> list[Proposal | None]:
@@ -233,7 +257,8 @@ class MedusaSpeculator(Speculator):
             return self._propose_tree(newest, inputs.num_speculative_tokens)
         k = min(inputs.num_speculative_tokens, self.num_heads)
         # The row's own prediction is the token the target just sampled; head i guesses the one i + 1 after it.
-        drafts = self._ids(self._logits(self.heads(newest, k).reshape(-1, newest.shape[-1])).argmax(-1)).view(k, -1)
+        states = self._head_states(newest, k).reshape(-1, newest.shape[-1])
+        drafts = self._ids(self._logits(states).argmax(-1)).view(k, -1)
         return [Proposal(column) for column in drafts.t().tolist()]
 
     def _propose_tree(self, newest: torch.Tensor, budget: int) -> list[Proposal | None]:
@@ -241,7 +266,7 @@ class MedusaSpeculator(Speculator):
         template = self.template
         assert template is not None and self.tree is not None
         n, depth, width = newest.shape[0], template.depth, template.width
-        logits = self._logits(self.heads(newest, depth).reshape(-1, newest.shape[-1])).view(depth, n, -1)
+        logits = self._logits(self._head_states(newest, depth).reshape(-1, newest.shape[-1])).view(depth, n, -1)
         top = logits.float().log_softmax(-1).topk(width, dim=-1)  # [depth, n, width] log-probs and ids
         values = torch.cat([top.values.permute(1, 0, 2).reshape(n, -1), top.values.new_zeros(n, 1)], dim=1)
         ids = self._ids(top.indices.permute(1, 0, 2).reshape(n, -1))
