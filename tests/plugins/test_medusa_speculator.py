@@ -195,3 +195,52 @@ def test_bad_draft_vocab_values_are_refused(tmp_path: Path) -> None:
     config_path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"draft_vocab must hold \d+ distinct token ids"):
         LLM(str(package), speculator="medusa", speculator_model=HEADS, num_speculative_tokens=2)
+
+
+# --- the native CPU linears (options.native_draft, native_draft_weights) ------------------------------------------
+
+def drafts_of(llm: LLM, prompts: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy outputs and every proposal's tokens, as the engine drafted them."""
+    spec = llm.engine.speculator
+    drafted: list[list[int]] = []
+    propose = spec.propose
+
+    def recording(inputs):  # type: ignore[no-untyped-def]
+        out = propose(inputs)
+        drafted.extend(p.token_ids for p in out if p is not None)
+        return out
+
+    spec.propose = recording
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    return [out.token_ids for out in llm.generate(prompts, params)], drafted
+
+
+@pytest.mark.parametrize("weights", ["int8", "float32"])
+def test_the_native_linears_draft_what_the_torch_heads_draft(plain_outputs: list[list[int]], weights: str) -> None:
+    from ember_kernels.cpu.draft_weights import packed_int8_available
+
+    if not packed_int8_available():
+        pytest.skip("native CPU kernels unavailable")
+    native = medusa(speculator_options={"native_draft": True, "native_draft_weights": weights})
+    assert native.engine.speculator.native is not None and native.engine.speculator.native.weight_format == weights
+    calls = []
+    heads = native.engine.speculator.native.head_states
+    native.engine.speculator.native.head_states = lambda *a: calls.append(a) or heads(*a)
+    outputs, drafted = drafts_of(native, PROMPTS)
+    assert outputs == plain_outputs and calls  # exact, and the heads ran through the native linears
+    torch_path = medusa(speculator_options={"native_draft": False})
+    assert torch_path.engine.speculator.native is None
+    outputs, reference = drafts_of(torch_path, PROMPTS)
+    assert outputs == plain_outputs
+    # The same heads: the same drafts but for near-ties (int8 rounds weights and, on VNNI CPUs, activations).
+    same = sum(a == b for a, b in zip(drafted, reference, strict=False))
+    assert len(drafted) == len(reference) and same >= (0.99 if weights == "float32" else 0.9) * len(reference)
+
+
+def test_native_draft_options_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"speculator\.options\.native_draft must be true or false, got 'yes'"):
+        medusa(speculator_options={"native_draft": "yes"})
+    with pytest.raises(ValueError, match=r"speculator\.options\.native_draft_weights must be one of int8, float32"):
+        medusa(speculator_options={"native_draft_weights": "int4"})
+    with pytest.raises(ValueError, match=r"native_draft_weights is for the native kernel"):
+        medusa(speculator_options={"native_draft": False, "native_draft_weights": "int8"})
