@@ -73,18 +73,6 @@ MIN_REACHED = 24.0
 EXPLORE_EVERY = 2
 MAX_EXPLORE_PROBES = 128
 EXPLORE_GAIN = 0.02  # ... and only while such drafts, all accepted, would beat the chosen length by this much
-# The step-cost fit is one line through the batch sizes it has seen, and what a draft costs does not carry from one
-# batch size to a much larger one: at batch 1 a verified draft is nearly free (the pass reads the weights either
-# way), at batch 8 on a CPU it costs about what a decoding request does. Coming from batch 1, the fit priced a
-# draft at batch 8 at ~0, and EAGLE-3 drafted the full k there, at 0.86-0.91x of no speculation. So once the
-# batch has stayed more than REGIME_RATIO times larger than the fit's recent batches (a decaying mean) for
-# REGIME_STEPS steps in a row, the step cost is measured afresh, warm-up first, as in a new engine, which chooses
-# right at either size. Acceptance is the drafts' own and is kept. Only growth: a fit from larger batches prices
-# drafts too high for smaller ones, which costs a missed gain, not a slowdown, and a batch that halves is probed
-# at once anyway (`_probe_due`); resetting when a batch drained too (twice per run of the mixed-32 bench) cost
-# EAGLE-3 ~3% there in warm-ups.
-REGIME_RATIO = 2.0
-REGIME_STEPS = 8
 # The pull of the pessimistic prior on each fitted coefficient, in observations of that feature's mean square: it
 # decides only directions the measurements leave open.
 RIDGE = 0.002
@@ -253,9 +241,6 @@ class SpeculationLength:
         self.tree = tree
         self.cost = StepCost()
         self.draft_cost = DraftCost()
-        self._batch = _Average()  # decoding requests per step, decaying as the step-cost fit does
-        self._outside = 0  # steps in a row whose batch was outside the fit's regime (REGIME_RATIO)
-        self.num_regime_changes = 0
         # Acceptance per draft position, starting from an even prior (one accepted of two reached).
         self._reached = [2.0] * (max_k + 1)
         self._accepted = [1.0] * (max_k + 1)
@@ -335,7 +320,6 @@ class SpeculationLength:
             return self.k
         if num_decoding < 1:
             return 0
-        self._follow_regime(num_decoding)
         self._steps += 1
         warm_up = self._steps <= WARMUP_STEPS
         self.best_k = 0 if warm_up else self._best(num_decoding)[0]
@@ -349,23 +333,6 @@ class SpeculationLength:
         else:
             self.k = self.best_k
         return self.k
-
-    def _follow_regime(self, num_decoding: int) -> None:
-        """Measure the step cost afresh once the batch has grown out of the fit's regime (REGIME_RATIO)."""
-        mean = self._batch.value
-        if mean is not None and num_decoding > mean * REGIME_RATIO:
-            self._outside += 1
-            if self._outside >= REGIME_STEPS:
-                self.cost = StepCost()
-                self._batch = _Average()
-                self._steps = 0  # a warm-up again: the fit has nothing to choose from
-                self._probe_every, self._next_probe, self._probe_batch = PROBE_EVERY, PROBE_EVERY, 0
-                self._last_probe = 0
-                self._outside = 0
-                self.num_regime_changes += 1
-        else:
-            self._outside = 0
-        self._batch.add(float(num_decoding))
 
     def _probe_due(self, num_decoding: int) -> bool:
         """Whether this step probes (see MAX_PROBE_EVERY for how the interval adapts)."""

@@ -17,7 +17,6 @@ from ember_platform.engine.spec_length import (
     MAX_PROBE_EVERY,
     PROBE_EVERY,
     PROBE_REQUESTS,
-    REGIME_STEPS,
     WARMUP_STEPS,
     SpeculationLength,
     StepCost,
@@ -128,32 +127,6 @@ def test_a_few_unlucky_first_drafts_do_not_keep_the_length_short() -> None:
     assert 1 in chosen[WARMUP_STEPS:WARMUP_STEPS + 16]  # what the unlucky start measured
     later = chosen[WARMUP_STEPS + 80:]
     assert later.count(3) >= 0.9 * len(later), chosen
-
-
-def test_a_batch_grown_out_of_the_fits_regime_is_measured_afresh() -> None:
-    # Batch 1 for a while (a pass costs the same at 1 or 4 rows: drafts nearly free), then batch 8. The fit's one
-    # line would carry batch 1's free drafts to batch 8; once the batch has stayed more than twice the fit's recent
-    # mean for REGIME_STEPS steps, the step cost starts over with a warm-up, as a new engine's does.
-    length = SpeculationLength(3)
-    for _ in range(300):
-        length.choose(1)
-        drafted = length.lengths(1)[0]
-        length.record_step(1 + drafted, 0.001 + 0.00001 * drafted, requests=1, drafts=drafted)
-        length.record_verified(drafted, min(drafted, 2))
-    assert length.best_k > 0 and length.num_regime_changes == 0  # drafts pay at batch 1
-    measured = length.cost.num_steps
-    for step in range(REGIME_STEPS):
-        assert length.num_regime_changes == 0, step
-        length.choose(8)
-        length.record_step(8, 0.004, requests=8, drafts=0)
-    assert length.num_regime_changes == 1 and length.cost.num_steps < measured
-    assert [length.choose(8) for _ in range(WARMUP_STEPS - 1)] == [3] * (WARMUP_STEPS - 1)  # the warm-up again
-    # A batch that shrinks keeps its fit (a fit from larger batches over-prices drafts: no slowdown), and a
-    # batch within twice the mean is the same regime.
-    for batch in [8] * 100 + [1] * 50 + [2] * 50:
-        length.choose(batch)
-        length.record_step(batch, 0.004, requests=batch, drafts=0)
-    assert length.num_regime_changes == 1
 
 
 def test_fixed_length_when_not_adaptive() -> None:
