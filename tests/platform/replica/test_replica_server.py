@@ -410,9 +410,11 @@ def test_many_streams_keep_to_the_event_rate_with_multi_token_chunks(
     assert [text for _, text in streamed] == alone
     assert all(sum(counts) == 40 for counts, _ in streamed)
     assert sum(len(counts) for counts, _ in streamed) <= 8 * 40 / 3, [counts for counts, _ in streamed]
-    # First chunks carry the first step's token: one (a busy event loop may merge the next step in, seldom).
+    # First chunks are not held back to the cap: one held back would carry a quarter second of steps (~all 40
+    # tokens here). They carry the first step's token, and on a busy machine the next step's too, or two: in a
+    # fresh-clone CI run on 2 cores all 8 first chunks carried 2 tokens, where a quiet machine sends 1.
     firsts = sorted(counts[0] for counts, _ in streamed)
-    assert firsts[len(firsts) // 2] == 1 and firsts[-1] <= 2, firsts
+    assert firsts[-1] <= 3, firsts
 
 
 # --- drain ------------------------------------------------------------------------------------
