@@ -146,22 +146,14 @@ def test_bad_tree_values_are_refused(tree: object, k: int, message: str) -> None
 # --- draft vocabulary (the heads' draft_vocab; options.draft_vocab) -------------------------------------------------
 
 def test_heads_draft_only_from_their_draft_vocabulary(plain_outputs: list[list[int]]) -> None:
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for options in ({}, {"tree": TREE}):
         llm = medusa(**({"num_speculative_tokens": 15} if options else {}), speculator_options=options)
         spec = llm.engine.speculator
         vocab = set(spec.draft_vocab.tolist())
         assert spec.head_weight.shape == (len(vocab), 256) and len(vocab) < 4096  # the LM head's rows, copied once
-        drafted: list[int] = []
-        propose = spec.propose
-
-        def recording(inputs, propose=propose, drafted=drafted):  # type: ignore[no-untyped-def]
-            out = propose(inputs)
-            drafted.extend(t for p in out if p is not None for t in p.token_ids)
-            return out
-
-        spec.propose = recording
-        assert [out.token_ids for out in llm.generate(PROMPTS, params)] == plain_outputs
+        outputs, proposals = drafts_of(llm, PROMPTS)
+        drafted = [t for tokens in proposals for t in tokens]
+        assert outputs == plain_outputs
         assert drafted and set(drafted) <= vocab
         assert llm.engine.stats()["spec_accepted_tokens"] > 0
 

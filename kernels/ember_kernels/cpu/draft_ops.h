@@ -441,9 +441,9 @@ static inline __attribute__((always_inline)) void w8a8_block(const int8_t *xq, c
 }
 
 static inline void w8a8_block_rows(const int8_t *xq, const float *xs, const int32_t *qsum, const int8_t *w,
-                                   const float *scale, float *y, int64_t M, int64_t N, int64_t K, int64_t b) {
+                                   const float *scale, float *y, int64_t M, int64_t N, int64_t K, int64_t b,
+                                   const __m512i index) {
     const int8_t *wb = w + b * K * PACK;
-    const __m512i index = w8a8_transpose_index();
     for (int64_t m0 = 0; m0 < M; m0 += PACK_ROWS) {
         const int64_t mg = M - m0 < PACK_ROWS ? M - m0 : PACK_ROWS;
         const int8_t *xm = xq + m0 * K;
@@ -476,11 +476,12 @@ static inline void packed_int8_linear(const float *x, const int8_t *w, const flo
         int32_t *qsum = (int32_t *)(buffer + M * sizeof(float));
         int8_t *xq = (int8_t *)(buffer + M * (sizeof(float) + sizeof(int32_t)));
         w8a8_quantize(x, M, K, xq, xs, qsum);
+        const __m512i index = w8a8_transpose_index();
         if (!parallel) {
-            for (int64_t b = 0; b < blocks; b++) w8a8_block_rows(xq, xs, qsum, w, scale, y, M, N, K, b);
+            for (int64_t b = 0; b < blocks; b++) w8a8_block_rows(xq, xs, qsum, w, scale, y, M, N, K, b, index);
         } else {
 #pragma omp parallel for num_threads(threads) schedule(static)
-            for (int64_t b = 0; b < blocks; b++) w8a8_block_rows(xq, xs, qsum, w, scale, y, M, N, K, b);
+            for (int64_t b = 0; b < blocks; b++) w8a8_block_rows(xq, xs, qsum, w, scale, y, M, N, K, b, index);
         }
         if (buffer != stack) free(buffer);
         return;

@@ -52,11 +52,15 @@ def kept_matrix(owner: str, name: str, weight: torch.Tensor, weight_format: str,
     return pack_int8(weight)
 
 
+def _packed_linear_kernel() -> object | None:
+    return native_function("ember_packed_int8_linear", [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int])
+
+
 def packed_int8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int,
                        num_threads: int = 1) -> torch.Tensor | None:
-    """x [M, K] float32 @ the packed matrix's float32 [N, K].T through the drafters' kernel (draft_ops.h), to test it
-    on its own; None if the native library is unavailable."""
-    fn = native_function("ember_packed_int8_linear", [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int])
+    """x [M, K] float32 @ the packed matrix's float32 [N, K].T through the drafters' kernel (draft_ops.h): Medusa's
+    native heads, and tests of the kernel on its own; None if the native library is unavailable."""
+    fn = _packed_linear_kernel()
     if fn is None:
         return None
     x = x.float().contiguous()
@@ -72,8 +76,7 @@ def packed_int8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
 
 def packed_int8_available() -> bool:
     """Whether the drafters' packed int8 linear can run here (the native library built and loaded)."""
-    return native_function("ember_packed_int8_linear", [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]) \
-        is not None
+    return _packed_linear_kernel() is not None
 
 
 def packed_int8_activation_bits() -> int | None:

@@ -254,6 +254,7 @@ class SpeculationLength:
         self._explore_probes = 0  # probes made because the next position was under-measured (MIN_REACHED)
         self.k = max_k  # the last step's drafts per request (the most any request got)
         self.best_k = max_k  # the last length chosen from the measurements (what a probe step gives the others)
+        self._best_rate = 0.0  # best_k's predicted rate per request
         self.probing = False  # the last choice was a warm-up or probe step (see PROBE_REQUESTS)
         self.num_verified = 0  # requests whose drafts were verified
         self.num_drafted = 0
@@ -322,7 +323,7 @@ class SpeculationLength:
             return 0
         self._steps += 1
         warm_up = self._steps <= WARMUP_STEPS
-        self.best_k = 0 if warm_up else self._best(num_decoding)[0]
+        self.best_k, self._best_rate = (0, 0.0) if warm_up else self._best(num_decoding)
         self.probing = warm_up or self._probe_due(num_decoding)
         if self.probing:
             self.k = self.max_k
@@ -364,9 +365,8 @@ class SpeculationLength:
             return False
         if self._reached[self.best_k + 1] >= MIN_REACHED:
             return False
-        chosen_rate = self._best(num_decoding)[1]
         best_k, best_rate = self._best(num_decoding, accepted_from=self.best_k + 1)
-        return best_k > self.best_k and best_rate > (1.0 + EXPLORE_GAIN) * chosen_rate
+        return best_k > self.best_k and best_rate > (1.0 + EXPLORE_GAIN) * self._best_rate
 
     def _best(self, num_decoding: int, accepted_from: int | None = None) -> tuple[int, float]:
         """argmax_k of `rate` and its rate per request (written out: it runs every step); `accepted_from`: as if

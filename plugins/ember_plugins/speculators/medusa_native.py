@@ -26,6 +26,10 @@ class NativeMedusa:
                  weight_format: str) -> None:
         if weight_format not in FORMATS:
             raise ValueError(f"medusa's native heads keep their matrices in one of {FORMATS}, not {weight_format!r}")
+        from ember_kernels.cpu.dense_linear import dense_linear
+        from ember_kernels.cpu.draft_weights import pack_int8, packed_int8_linear
+
+        self._dense_linear, self._pack_int8, self._packed_int8_linear = dense_linear, pack_int8, packed_int8_linear
         num_heads, hidden, _ = head_weight.shape
         self.hidden = hidden
         self.weight_format = weight_format
@@ -36,32 +40,23 @@ class NativeMedusa:
 
     def _kept(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         weight = weight.float().contiguous()
-        if self.weight_format == "float32":
-            return weight, None
-        from ember_kernels.cpu.draft_weights import pack_int8
-
-        return pack_int8(weight)
+        return (weight, None) if self.weight_format == "float32" else self._pack_int8(weight)
 
     def _linear(self, x: torch.Tensor, kept: tuple[torch.Tensor, torch.Tensor | None],
                 out_features: int) -> torch.Tensor:
         weight, scales = kept
         out: torch.Tensor | None
         if scales is None:
-            from ember_kernels.cpu.dense_linear import dense_linear
-
-            out = dense_linear(x, weight[:out_features])
+            out = self._dense_linear(x, weight[:out_features])
         else:
-            from ember_kernels.cpu.draft_weights import packed_int8_linear
-
-            out = packed_int8_linear(x, weight, scales, out_features, num_threads=torch.get_num_threads())
+            out = self._packed_int8_linear(x, weight, scales, out_features, num_threads=torch.get_num_threads())
         if out is None:
             raise RuntimeError("the native CPU kernels became unavailable while medusa ran")
         return out
 
     def memory_bytes(self) -> int:
-        kept = [self.heads, self.rows] if self.rows is not None else [self.heads]
-        return self.bias.numel() * 4 + sum(t.numel() * t.element_size() for pair in kept for t in pair
-                                           if t is not None)
+        tensors = [self.bias, *self.heads, *(self.rows or ())]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def head_states(self, hidden: torch.Tensor, num_heads: int) -> torch.Tensor:
         """[n, D] newest hidden states -> [num_heads, n, D]: each head's `h + SiLU(W_i h + b_i)`."""

@@ -1,5 +1,6 @@
-"""The options of a speculator with a native CPU drafting kernel (eagle3, draft): `native_draft` (true, false, or
-unset: where it runs) and `native_draft_weights` (how the kernel keeps its matrices), checked alike for both."""
+"""The options of a speculator with a native CPU drafting kernel (eagle3, draft, medusa): `native_draft` (true,
+false, or unset: where it runs) and `native_draft_weights` (how the kernel keeps its matrices), checked alike for
+all."""
 
 from __future__ import annotations
 
