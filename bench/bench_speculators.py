@@ -15,7 +15,8 @@ flight (a new one submitted as one finishes) over 3B requests; tokens/s are the 
 over the engine's own step time from its first token on.
 Ratios are median rate with the method over median rate without. The methods run with their draft length chosen
 adaptively (the engine default: drafts only where measured acceptance and step cost say they pay), so at large
-batch a method should fall back to ~1.0x rather than below it; greedy outputs are compared with "none".
+batch a method should fall back to ~1.0x rather than below it; greedy outputs are compared with "none". `--k` is
+the most drafts per step each may choose (default 3, and 5 for eagle3, whose head stays accurate deeper: DEFAULT_K).
 
 Methods and where their weights come from: `ngram` (none needed), `medusa` (examples/tiny-llama/speculator/medusa,
 made by examples/train_medusa.py), `eagle3` (examples/tiny-llama/speculator/eagle3, made by
@@ -50,6 +51,29 @@ HEAD_DIRS = {"medusa": "speculator/medusa", "medusa-tree": "speculator/medusa", 
 VARIANTS = {"medusa-tree": "medusa", "eagle3-tree": "eagle3"}  # bench name -> speculator it runs (options below)
 TARGETS_BATCH_1 = {"medusa": 1.5, "ngram": 1.5, "eagle3": 2.0, "draft": 1.5}
 TARGET_LARGE_BATCH = 0.95
+# The most drafts per step each method may choose (the engine picks 0..k each step from what it measures). EAGLE-3's
+# head keeps ~80% acceptance per position past its third draft, so a chain of 5 pays at batch 1 where 3 stops short:
+# alternated runs, 2026-12-07: batch 1 2.16-2.48x at k = 5 against 1.96-2.24x at k = 3, 3.35 tokens per step against
+# 2.85, and batch 8, 32 and mixed 32 no worse. For draft and ngram 5 and 3 measured the same, and Medusa has 3 heads.
+DEFAULT_K = "3,eagle3=5"
+
+
+def draft_lengths(text: str) -> dict[str, int]:
+    """`--k`: "N" (every method) or "N,METHOD=N,..." -> {"": default, method: k}."""
+    out: dict[str, int] = {}
+    try:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            method, _, value = part.rpartition("=")
+            out[method.strip()] = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or N,METHOD=N,...") from None
+    if "" not in out or any(k < 1 for k in out.values()):
+        raise argparse.ArgumentTypeError(f"{text!r} needs a default N, every length at least 1")
+    return out
+
+
+def k_of(lengths: dict[str, int], method: str) -> int:
+    return lengths.get(method, lengths[""])
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +81,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                         help="speculators to compare (default: %(default)s)")
     parser.add_argument("--batches", default="1,8,32",
                         help="batch sizes (default: %(default)s; empty: only the mixed run)")
-    parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens (default 3)")
+    parser.add_argument("--k", type=draft_lengths, default=DEFAULT_K,
+                        help="num_speculative_tokens, the most the adaptive length may choose: one number for every "
+                             "method, or a default and METHOD=N pairs (default: %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 256, --quick 128)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 128, --quick 48)")
     parser.add_argument("--tree", default="3,2,1", help="medusa-tree's top-k per head (default: %(default)s)")
@@ -92,10 +118,12 @@ def main() -> None:
     if args.quick:
         batches = [b for b in batches if b <= 8] or batches[:1]
     widest = max([*batches, args.mixed])
+    lengths = {method: k_of(args.k, method) for method in args.methods.split(",")}
     engines: dict[str, Any] = {"none": LLM(args.model, max_num_seqs=widest).engine}
     skipped: dict[str, str] = {}
     for method in args.methods.split(","):
-        overrides: dict[str, Any] = {"speculator": VARIANTS.get(method, method), "num_speculative_tokens": args.k,
+        overrides: dict[str, Any] = {"speculator": VARIANTS.get(method, method),
+                                     "num_speculative_tokens": k_of(args.k, method),
                                      "max_num_seqs": widest}  # no speculator_max_batch_size: no ceiling
         if method == "medusa-tree":
             tree = [int(k) for k in args.tree.split(",")]
@@ -245,7 +273,8 @@ def main() -> None:
                          f"{same} (greedy half)"])
 
     print(f"model {args.model}, {args.threads} threads; {len(prompts)} held-out prompts of {prompt_len} tokens, "
-          f"{max_tokens} greedy tokens each; k = {args.k} (adaptive); {args.repeats} interleaved repeats\n")
+          f"{max_tokens} greedy tokens each; k = {', '.join(f'{m} {k}' for m, k in lengths.items())} (the most "
+          f"the adaptive length chooses); {args.repeats} interleaved repeats\n")
     # "vs none (cpu)": tokens (prefill steps included) per CPU-second of this process, against none's: what a busy,
     # shared machine distorts least (wall time waits for the other processes; CPU time mostly does not).
     print_table(["batch", "method", "decode tok/s", "vs none", "vs none (cpu)", "tokens/step", "acceptance",
@@ -273,7 +302,7 @@ def main() -> None:
             verdicts.append(f"medusa-tree vs medusa at batch {size}: {tree['vs_chain']}x decode tok/s, mean accepted "
                             f"length {tree['mean_accepted_length']} vs {chain['mean_accepted_length']}")
     print("\n" + "\n".join(verdicts))
-    emit("speculators", {"results": record, "skipped": skipped, "k": args.k, "prompt_len": prompt_len,
+    emit("speculators", {"results": record, "skipped": skipped, "k": lengths, "prompt_len": prompt_len,
                          "max_tokens": max_tokens, "mixed": args.mixed, **environment(args)})
 
 

@@ -73,6 +73,16 @@ MIN_REACHED = 24.0
 EXPLORE_EVERY = 2
 MAX_EXPLORE_PROBES = 128
 EXPLORE_GAIN = 0.02  # ... and only while such drafts, all accepted, would beat the chosen length by this much
+# What a step without drafts costs at this batch size must be measured, not extrapolated: the fit is linear in the
+# requests, so from batch 1 alone (a pass bound by reading the weights: all intercept) it priced a plain step of 8
+# requests at ~8 ms where it takes ~4.5, and drafts at batch 8 looked as if they paid (eagle3 0.71-0.92x there).
+# While the plain steps of batches within PLAIN_NEAR of this one weigh less than MIN_PLAIN (each decays as a step's
+# cost does), a step goes without drafts, at most one in PLAIN_SPACING. In a steady batch that is one step in 69
+# (one in N keeps a weight of 1 / (1 - DECAY ** N)); right after the batch changes, a few steps in its first dozen.
+MIN_PLAIN = 2.0
+PLAIN_NEAR = 1.5
+PLAIN_SPACING = 4
+PLAIN_KEPT = 32  # the most recent plain steps remembered: more than enough to reach MIN_PLAIN where it can be
 # The pull of the pessimistic prior on each fitted coefficient, in observations of that feature's mean square: it
 # decides only directions the measurements leave open.
 RIDGE = 0.002
@@ -251,6 +261,7 @@ class SpeculationLength:
         self._next_probe = PROBE_EVERY
         self._probe_batch = 0  # decoding requests at the last probe
         self._last_probe = 0  # the step of the last probe
+        self._plain: list[tuple[int, int]] = []  # (requests, step) of the recent measured steps without drafts
         self._explore_probes = 0  # probes made because the next position was under-measured (MIN_REACHED)
         self.k = max_k  # the last step's drafts per request (the most any request got)
         self.best_k = max_k  # the last length chosen from the measurements (what a probe step gives the others)
@@ -266,6 +277,9 @@ class SpeculationLength:
         """A target pass (with sampling and verification) over `num_tokens` scheduled tokens took `seconds`: one
         or more for each of `requests` requests, `drafts` of them drafts to verify, the rest prompt chunks."""
         self.cost.record(seconds, requests=requests, drafts=drafts, prefill=max(0, num_tokens - requests - drafts))
+        if drafts == 0:
+            self._plain.append((requests, self._steps))
+            del self._plain[:-PLAIN_KEPT]
 
     def record_draft(self, k: int, seconds: float, *, requests: int) -> None:
         """The speculator took `seconds` to propose drafts of up to `k` tokens for `requests` requests."""
@@ -327,13 +341,25 @@ class SpeculationLength:
         self.probing = warm_up or self._probe_due(num_decoding)
         if self.probing:
             self.k = self.max_k
-        elif self._steps % PROBE_EVERY == PROBE_EVERY // 2:
-            # A plain step now and then: while every step drafts, the cost of a step without drafts would be known
-            # only through the fit's split of a wider one.
+        elif self.best_k and self._plain_unmeasured(num_decoding):
+            # While every step drafts, the cost of a step without drafts would be known only through the fit's split
+            # of wider ones, extrapolated from other batch sizes (MIN_PLAIN).
             self.k = self.best_k = 0
         else:
             self.k = self.best_k
         return self.k
+
+    def _plain_unmeasured(self, num_decoding: int) -> bool:
+        """Whether the plain steps of batches near `num_decoding` weigh less than MIN_PLAIN (module docs)."""
+        if self._plain and self._steps - self._plain[-1][1] < PLAIN_SPACING:
+            return False
+        weight = 0.0
+        for n, step in reversed(self._plain):
+            if num_decoding <= n * PLAIN_NEAR and n <= num_decoding * PLAIN_NEAR:
+                weight += DECAY ** (self._steps - step)
+                if weight >= MIN_PLAIN:
+                    return False
+        return True
 
     def _probe_due(self, num_decoding: int) -> bool:
         """Whether this step probes (see MAX_PROBE_EVERY for how the interval adapts)."""

@@ -15,6 +15,7 @@ import pytest
 from ember_platform import LLM, SamplingParams
 from ember_platform.engine.spec_length import (
     MAX_PROBE_EVERY,
+    PLAIN_SPACING,
     PROBE_EVERY,
     PROBE_REQUESTS,
     WARMUP_STEPS,
@@ -127,6 +128,35 @@ def test_a_few_unlucky_first_drafts_do_not_keep_the_length_short() -> None:
     assert 1 in chosen[WARMUP_STEPS:WARMUP_STEPS + 16]  # what the unlucky start measured
     later = chosen[WARMUP_STEPS + 80:]
     assert later.count(3) >= 0.9 * len(later), chosen
+
+
+def test_a_larger_batch_measures_its_plain_step_before_it_keeps_drafting() -> None:
+    # A pass bound by reading the weights (2 ms) until 4 tokens a step, by compute (0.5 ms a token) above: at batch
+    # 1 drafts are nearly free, at batch 8 four drafts each cost 5 times a plain step for ~2.8 tokens. Fitted
+    # linearly from batch 1's steps (all intercept) a plain step of 8 looks ~8 times batch 1's, and drafting at 8
+    # looks as if it paid: before plain steps were kept measured per batch size, it kept drafting at 8 for 64 steps.
+    def seconds(tokens: int) -> float:
+        return max(0.002, 0.0005 * tokens)
+
+    length = SpeculationLength(4)
+    rng = random.Random(2)
+
+    def step(batch: int) -> int:
+        k = length.choose(batch)
+        drafts = length.lengths(batch)
+        length.record_step(batch + sum(drafts), seconds(batch + sum(drafts)), requests=batch, drafts=sum(drafts))
+        for drafted in drafts:
+            accepted = 0
+            while accepted < drafted and rng.random() < 0.7:
+                accepted += 1
+            length.record_verified(drafted, accepted)
+        return k
+
+    at_one = [step(1) for _ in range(300)]
+    assert at_one[-100:].count(4) >= 90  # drafts pay at batch 1
+    at_eight = [step(8) for _ in range(64)]
+    assert 0 in at_eight[:PLAIN_SPACING + 1]  # its plain step measured at once
+    assert at_eight[16:].count(0) >= 0.9 * len(at_eight[16:]), at_eight
 
 
 def test_fixed_length_when_not_adaptive() -> None:
