@@ -11,6 +11,7 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -125,6 +126,41 @@ def test_skipped_steps_leave_one_gap_that_ends_where_drafting_resumes() -> None:
     engine.forget("long")
     engine.forget("short")
     assert not speculator._gaps and not speculator._open
+
+
+def test_drafts_for_a_few_of_the_batch_catch_up_only_those(plain_outputs: list[list[int]]) -> None:
+    # The length chooser's probe in a batch where drafts do not pay gives drafts to a few requests only: the head
+    # then writes the rows of those alone (the others' rows become gaps, as in a step without drafts), not a pass
+    # over the whole batch, prompt chunks included. Output stays the target's and the drafts are accepted.
+    llm = eagle3()
+    engine, speculator = llm.engine, llm.engine.speculator
+    draft_lengths = engine.spec.draft_lengths
+
+    def first_only(batch: list, num_running: int) -> dict[int, int] | None:
+        budgets = draft_lengths(batch, num_running)
+        return None if budgets is None else {i: k for i, k in budgets.items() if batch[i].request_id == "0"}
+
+    engine.spec.draft_lengths = first_only
+    written: list[set[str]] = []
+    for method in ("_native_step", "_catch_up"):
+        inner = getattr(speculator, method)
+
+        def recording(inputs: Any, kept: list, *args: Any, inner: Callable = inner) -> Any:
+            written.append({inputs.batch[e.index].request_id for e in kept})
+            return inner(inputs, kept, *args)
+
+        setattr(speculator, method, recording)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, GREEDY)
+    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+        if 0 < len(outputs["0"]) < GREEDY.max_tokens:  # "0" drafting, the others skipping (the first to finish)
+            assert {"1", "2", "3"} <= set(speculator._open)
+    assert [outputs[str(i)] for i in range(len(PROMPTS))] == plain_outputs
+    assert written and all(ids == {"0"} for ids in written), written
+    assert engine.num_accepted_tokens > 0
 
 
 def reference_drafts(draft: torch.nn.Module, hf_model: torch.nn.Module, layers: tuple[int, ...], tokens: list[int],

@@ -8,14 +8,15 @@ parameters on the example. Its logits are the target's LM head's rows for the he
 most frequent choices, `draft_vocab` in its weights, as in EAGLE-3: 1024 of the example's 4096 tokens), copied once,
 so each draft position projects onto N rows, not V; tokens outside it are never drafted.
 
-Each step, for every request of the batch (prompt chunks included), the head first *catches up* over the step's kept
-tokens: row p pairs the target's fused features at p with the embedding of the token at p + 1 (the one the target
-chose from them), and its K/V are written to the head's own paged KV cache (`kv_cache_spec`: one layer, the
-target's KV heads and head size) at the target's slots for p, so the request's block table addresses both. The last
-kept row's output gives draft 1. Drafts 2..k follow one batched pass per position over the requests proposed for:
-the token just drafted with the previous pass's output as its hidden, attending to the cached context and to the
-chain's own keys. Those chain keys stay in a per-step buffer, never in the paged cache (their positions may lie in
-blocks not allocated yet); the next catch-up overwrites the positions the target kept.
+Each step, for every request of the batch (prompt chunks included; only those it drafts for where they are under
+half of the batch, e.g. the length chooser's probes), the head first *catches up* over the step's kept tokens: row p
+pairs the target's fused features at p with the embedding of the token at p + 1 (the one the target chose from
+them), and its K/V are written to the head's own paged KV cache (`kv_cache_spec`: one layer, the target's KV heads
+and head size) at the target's slots for p, so the request's block table addresses both. The last kept row's output
+gives draft 1. Drafts 2..k follow one batched pass per position over the requests proposed for: the token just
+drafted with the previous pass's output as its hidden, attending to the cached context and to the chain's own keys.
+Those chain keys stay in a per-step buffer, never in the paged cache (their positions may lie in blocks not
+allocated yet); the next catch-up overwrites the positions the target kept.
 
 Greedy requests draft the argmax. Sampled ones draw from the head's distribution processed with the request's
 temperature, top-k and top-p (not its penalties or min-p: any proposal keeps the target's distribution under
@@ -236,6 +237,14 @@ class Eagle3Speculator(Speculator):
             self._skip(inputs)
             return []
         kept = self._kept(inputs)
+        wanted = set(inputs.propose_for)
+        if 2 * len(wanted) < len(kept):
+            # Drafts for a few of the batch only (the length chooser's probe of a batch where drafts do not pay):
+            # catching up the others, prompt chunks included, would cost a head pass over the whole step for drafts
+            # nobody asked for (in the mixed-32 bench ~0.3 ms a step, most of eagle3's 3% cost there while not
+            # drafting). Their rows become gaps, as in a step without drafts.
+            self._skip(inputs, keep=wanted)
+            kept = self._kept(inputs, only=wanted)
         if not kept:
             return [None] * len(inputs.propose_for)
         for e in kept:  # positions from the first kept one on are written now (or again later): no longer gaps
@@ -276,11 +285,12 @@ class Eagle3Speculator(Speculator):
         self._gaps.pop(request_id, None)
         self._open.pop(request_id, None)
 
-    def _skip(self, inputs: SpeculatorInputs) -> None:
-        """A step whose rows the head does not write: open a gap for each request not already skipping (a dict
-        lookup for the others: this runs every step drafts do not pay, at any batch size)."""
+    def _skip(self, inputs: SpeculatorInputs, keep: set[int] | None = None) -> None:
+        """A step whose rows the head does not write (but for the requests at the batch indices `keep`): open a gap
+        for each request not already skipping (a dict lookup for the others: this runs every step drafts do not
+        pay, at any batch size)."""
         for i, req in enumerate(inputs.batch):
-            if inputs.num_kept[i] <= 0 or req.status.finished:  # a finished one is released, or was already
+            if inputs.num_kept[i] <= 0 or req.status.finished or (keep and i in keep):  # finished: released already
                 continue
             skipping = self._open.get(req.request_id)
             if skipping is not None and skipping[1] == req.num_preemptions:
@@ -307,11 +317,13 @@ class Eagle3Speculator(Speculator):
         if gaps:
             self._gaps[request_id] = [(a, min(b, first)) for a, b in gaps if a < first]
 
-    def _kept(self, inputs: SpeculatorInputs) -> list[_Kept]:
+    def _kept(self, inputs: SpeculatorInputs, only: set[int] | None = None) -> list[_Kept]:
+        """The requests whose rows the head writes this step (those at the batch indices `only`, if given), their
+        rows numbered in one compacted run."""
         kept, offset = [], 0
         for i, req in enumerate(inputs.batch):
             n = inputs.num_kept[i]
-            if n <= 0 or req.status.finished:
+            if n <= 0 or req.status.finished or (only is not None and i not in only):
                 continue
             last = int(inputs.positions[inputs.query_start_loc[i] + n - 1])
             if last + 1 >= req.num_tokens:  # the token after the last kept row is not known (nothing was sampled)
