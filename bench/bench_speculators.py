@@ -58,7 +58,7 @@ TARGET_LARGE_BATCH = 0.95
 DEFAULT_K = "3,eagle3=5"
 
 
-def draft_lengths(text: str) -> dict[str, int]:
+def parse_k(text: str) -> dict[str, int]:
     """`--k`: "N" (every method) or "N,METHOD=N,..." -> {"": default, method: k}."""
     out: dict[str, int] = {}
     try:
@@ -72,16 +72,12 @@ def draft_lengths(text: str) -> dict[str, int]:
     return out
 
 
-def k_of(lengths: dict[str, int], method: str) -> int:
-    return lengths.get(method, lengths[""])
-
-
 def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default="ngram,medusa,eagle3,draft",
                         help="speculators to compare (default: %(default)s)")
     parser.add_argument("--batches", default="1,8,32",
                         help="batch sizes (default: %(default)s; empty: only the mixed run)")
-    parser.add_argument("--k", type=draft_lengths, default=DEFAULT_K,
+    parser.add_argument("--k", type=parse_k, default=DEFAULT_K,
                         help="num_speculative_tokens, the most the adaptive length may choose: one number for every "
                              "method, or a default and METHOD=N pairs (default: %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 256, --quick 128)")
@@ -118,12 +114,12 @@ def main() -> None:
     if args.quick:
         batches = [b for b in batches if b <= 8] or batches[:1]
     widest = max([*batches, args.mixed])
-    lengths = {method: k_of(args.k, method) for method in args.methods.split(",")}
+    lengths = {method: args.k.get(method, args.k[""]) for method in args.methods.split(",")}
     engines: dict[str, Any] = {"none": LLM(args.model, max_num_seqs=widest).engine}
     skipped: dict[str, str] = {}
     for method in args.methods.split(","):
         overrides: dict[str, Any] = {"speculator": VARIANTS.get(method, method),
-                                     "num_speculative_tokens": k_of(args.k, method),
+                                     "num_speculative_tokens": lengths[method],
                                      "max_num_seqs": widest}  # no speculator_max_batch_size: no ceiling
         if method == "medusa-tree":
             tree = [int(k) for k in args.tree.split(",")]

@@ -41,6 +41,7 @@ max_batch_size` is an optional ceiling a user may set above this.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -261,7 +262,7 @@ class SpeculationLength:
         self._next_probe = PROBE_EVERY
         self._probe_batch = 0  # decoding requests at the last probe
         self._last_probe = 0  # the step of the last probe
-        self._plain: list[tuple[int, int]] = []  # (requests, step) of the recent measured steps without drafts
+        self._plain: deque[tuple[int, int]] = deque(maxlen=PLAIN_KEPT)  # (requests, step) of recent plain steps
         self._explore_probes = 0  # probes made because the next position was under-measured (MIN_REACHED)
         self.k = max_k  # the last step's drafts per request (the most any request got)
         self.best_k = max_k  # the last length chosen from the measurements (what a probe step gives the others)
@@ -279,7 +280,6 @@ class SpeculationLength:
         self.cost.record(seconds, requests=requests, drafts=drafts, prefill=max(0, num_tokens - requests - drafts))
         if drafts == 0:
             self._plain.append((requests, self._steps))
-            del self._plain[:-PLAIN_KEPT]
 
     def record_draft(self, k: int, seconds: float, *, requests: int) -> None:
         """The speculator took `seconds` to propose drafts of up to `k` tokens for `requests` requests."""

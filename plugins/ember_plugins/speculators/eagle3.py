@@ -236,15 +236,16 @@ class Eagle3Speculator(Speculator):
             # nobody asked for. Remember what was skipped instead; later drafts attend around it.
             self._skip(inputs)
             return []
-        kept = self._kept(inputs)
         wanted = set(inputs.propose_for)
-        if 2 * len(wanted) < len(kept):
+        only = None
+        if 2 * len(wanted) < sum(n > 0 for n in inputs.num_kept):
             # Drafts for a few of the batch only (the length chooser's probe of a batch where drafts do not pay):
             # catching up the others, prompt chunks included, would cost a head pass over the whole step for drafts
             # nobody asked for (in the mixed-32 bench ~0.3 ms a step, most of eagle3's 3% cost there while not
             # drafting). Their rows become gaps, as in a step without drafts.
             self._skip(inputs, keep=wanted)
-            kept = self._kept(inputs, only=wanted)
+            only = wanted
+        kept = self._kept(inputs, only=only)
         if not kept:
             return [None] * len(inputs.propose_for)
         for e in kept:  # positions from the first kept one on are written now (or again later): no longer gaps
