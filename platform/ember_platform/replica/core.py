@@ -220,6 +220,11 @@ class Replica:
                         if not got_token:
                             self.metrics.time_to_first_token.observe(now - start)
                             got_token = True
+                            # Tokens that came with the first (a loaded machine merges steps into one output)
+                            # reached the client with it: each is a gap of 0, so every request counts one
+                            # inter-token latency per token after its first, however its tokens were batched.
+                            for _ in range(num_new - 1):
+                                self.metrics.inter_token_latency.observe(0.0)
                         else:
                             for _ in range(num_new):
                                 self.metrics.inter_token_latency.observe((now - last) / num_new)
