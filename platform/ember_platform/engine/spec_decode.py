@@ -53,14 +53,19 @@ class SpecDecoder:
         return self._paths
 
     def record_step(self, num_tokens: int, seconds: float, verified: Sequence[tuple[int, int]],
-                    request_ids: Sequence[str] = (), *, num_requests: int, num_drafts: int) -> None:
+                    request_ids: Sequence[str] = (), *, num_requests: int, num_drafts: int,
+                    num_sampled: int = 0, num_sampled_drafts: int = 0, verified_sampled: Sequence[bool] = ()) -> None:
         """A step's target pass over `num_tokens` (for `num_requests` requests, `num_drafts` of the tokens drafts)
         took `seconds`; `verified`: (drafted, accepted) per request whose drafts it verified (`request_ids`: theirs,
-        to find tree paths). What `SpeculationLength` chooses the next steps' draft lengths from."""
-        self.length.record_step(num_tokens, seconds, requests=num_requests, drafts=num_drafts)
+        to find tree paths; `verified_sampled`: whether each verified by rejection sampling). `num_sampled` of the
+        requests drew a token at temperature > 0, `num_sampled_drafts` of the drafts theirs (a sampled row costs
+        more than a greedy one: spec_length.py). What `SpeculationLength` chooses the next steps' lengths from."""
+        self.length.record_step(num_tokens, seconds, requests=num_requests, drafts=num_drafts,
+                                sampled_requests=num_sampled, sampled_drafts=num_sampled_drafts)
         for j, (drafted, accepted) in enumerate(verified):
             path = self._paths.get(request_ids[j]) if self._paths and j < len(request_ids) else None
-            self.length.record_verified(drafted, accepted, path)
+            self.length.record_verified(drafted, accepted, path,
+                                        sampled=j < len(verified_sampled) and verified_sampled[j])
 
     def length_stats(self) -> dict[str, float]:
         length = self.length
@@ -93,8 +98,9 @@ class SpecDecoder:
             and r.num_computed_tokens == r.num_tokens - 1]
         # How many drafts pay at this batch size (spec_length.py), per request; with none, a speculator that keeps
         # per-request state still sees the step.
-        k = self.length.choose(len(eligible)) if eligible else 0
-        lengths = self.length.lengths(len(eligible)) if k else [0] * len(eligible)
+        sampled = [not batch[i].params.greedy for i in eligible]  # priced and measured apart (spec_length.py)
+        k = self.length.choose(len(eligible), sum(sampled)) if eligible else 0
+        lengths = self.length.lengths(len(eligible), sampled) if k else [0] * len(eligible)
         budgets = {i: n for i, n in zip(eligible, lengths, strict=True) if n}
         if not budgets and not self.speculator.sees_steps_without_drafts:
             self._paths = {}

@@ -13,7 +13,14 @@ this wrong both ways, on other hardware, models or workloads, so the choice is m
   row verified and sampled, a prefill token one that runs through the layers only (no LM head, no sampling, its
   attention batched over a chunk), so the two are priced apart. Priced by token count alone, the cheap tokens of
   prefill-heavy steps made a wide decode step look cheap: at batch 32 on a CPU, where a draft costs about what a
-  decoding request does, prompt lookup drafted 3 tokens on most steps and ran at 0.93x of no speculation;
+  decoding request does, prompt lookup drafted 3 tokens on most steps and ran at 0.93x of no speculation.
+  Requests that sample (temperature > 0) and greedy ones are priced apart too (`r` and `v` for each), and their
+  acceptance is measured apart: a sampled row is filtered (top-k/top-p), normalized and drawn, and a sampled
+  draft verified by rejection sampling, which on a CPU made a batch of 32 sampled requests' step 1.8x a greedy
+  one's (the example model: +0.3 ms a sampled row). With one price, drafts measured on a greedy batch (cheap)
+  were carried into a batch half sampled, where they cost twice that for less acceptance: Medusa, drafting at
+  uniform batch 32 (1.2x), then ran a mixed greedy/sampled batch of 32 at 0.80-0.85x. Each class then gets its
+  own length (`lengths`); a class never measured drafting is priced by the pessimistic prior below;
 * the speculator's own time (`DraftCost`: `c + e * k + f * requests * k`; a draft model's and EAGLE's passes grow
   with k, Medusa's heads with the rows they read; prompt lookup costs ~0).
 
@@ -24,7 +31,8 @@ i_1 < i_2 < ... would, with a budget of k, have kept the path's nodes below k. `
 the accepted path (among requests given at least j nodes), gives `E(k) = 1 + sum_{j<=k} g_j` (for a chain this is
 the formula above).
 
-It then picks `argmax_k B * E(k) / (T(B, k) + D(B, k))` for B decoding requests, T without prefill: a prompt's work
+It then picks `argmax B_g * E_g(k_g) + B_s * E_s(k_s) / (T + D)` over a length for the B_g greedy and one for
+the B_s sampled decoding requests, T without prefill: a prompt's work
 is the same however many steps its request's decoding takes (and which prompts the next step brings is not known
 when its drafts are made). Measurements decay (the load changes), and a step now and then drafts the full k for a
 few requests, so that acceptance and the cost of drafts stay measured even while they do not pay (less and less
@@ -198,31 +206,46 @@ def _solve_small(a: list[list[float]], b: list[float]) -> list[float]:
 
 
 class StepCost:
-    """Seconds of a target step (pass, sampling, verification) as `a + r * requests + v * drafts + p * prefill`:
-    `requests` scheduled, `drafts` verified, and `prefill` the tokens beyond one per request (prompt chunks)."""
+    """Seconds of a target step (pass, sampling, verification) as `a + r_g * greedy requests + r_s * sampled
+    requests + v_g * greedy drafts + v_s * sampled drafts + p * prefill`: `requests` scheduled (`sampled_requests`
+    of them drawing a token at temperature > 0 this step), `drafts` verified (`sampled_drafts` of them by rejection
+    sampling), and `prefill` the tokens beyond one per request (prompt chunks)."""
 
     def __init__(self) -> None:
-        self._fit = _DecayingFit(4, per_unit=(1, 2, 3))
+        self._fit = _DecayingFit(6, per_unit=(1, 2, 3, 4, 5))
         self.num_steps = 0
 
-    def record(self, seconds: float, *, requests: int, drafts: int, prefill: int) -> None:
+    def record(self, seconds: float, *, requests: int, drafts: int, prefill: int, sampled_requests: int = 0,
+               sampled_drafts: int = 0) -> None:
         if requests < 1 or drafts < 0 or prefill < 0 or not math.isfinite(seconds) or seconds <= 0:
             return
-        self._fit.add((1.0, float(requests), float(drafts), float(prefill)), seconds)
+        if not (0 <= sampled_requests <= requests and 0 <= sampled_drafts <= drafts):
+            return
+        self._fit.add((1.0, float(requests - sampled_requests), float(sampled_requests),
+                       float(drafts - sampled_drafts), float(sampled_drafts), float(prefill)), seconds)
         self.num_steps += 1
 
     @property
     def draft_seconds(self) -> float | None:
-        """What one more verified draft adds to a step (never below 0: noise does not make drafts pay)."""
-        return None if self._fit.empty else max(0.0, self._fit.theta()[2])
+        """What one more verified greedy draft adds to a step (never below 0: noise does not make drafts pay)."""
+        return None if self._fit.empty else self.draft_prices()[0]
 
-    def predict(self, requests: int, drafts: int, prefill: int = 0) -> float | None:
+    def draft_prices(self) -> tuple[float, float]:
+        """What one more verified draft adds to a step, (greedy, sampled); (0, 0) before any step was measured."""
+        if self._fit.empty:
+            return 0.0, 0.0
+        theta = self._fit.theta()
+        return max(0.0, theta[3]), max(0.0, theta[4])
+
+    def predict(self, requests: int, drafts: int, prefill: int = 0, *, sampled_requests: int = 0,
+                sampled_drafts: int = 0) -> float | None:
         """Seconds for such a step; None before any step was measured."""
         if self._fit.empty:
             return None
-        a, r, v, p = self._fit.theta()
-        plain = a + r * requests + max(0.0, p) * prefill
-        return max(plain, 1e-9) + max(0.0, v) * drafts
+        a, r_greedy, r_sampled, v_greedy, v_sampled, p = self._fit.theta()
+        plain = a + r_greedy * (requests - sampled_requests) + r_sampled * sampled_requests + max(0.0, p) * prefill
+        return (max(plain, 1e-9) + max(0.0, v_greedy) * (drafts - sampled_drafts)
+                + max(0.0, v_sampled) * sampled_drafts)
 
 
 class DraftCost:
@@ -243,6 +266,9 @@ class DraftCost:
         return max(0.0, c + e * k + f * requests * k)
 
 
+GREEDY, SAMPLED = 0, 1  # the two classes of requests priced and measured apart (module docs)
+
+
 class SpeculationLength:
     """Chooses each step's number of drafts per request (0..max_k) and keeps the figures metrics report."""
 
@@ -252,11 +278,11 @@ class SpeculationLength:
         self.tree = tree
         self.cost = StepCost()
         self.draft_cost = DraftCost()
-        # Acceptance per draft position, starting from an even prior (one accepted of two reached).
-        self._reached = [2.0] * (max_k + 1)
-        self._accepted = [1.0] * (max_k + 1)
+        # Acceptance per draft position and class (GREEDY, SAMPLED), from an even prior (one accepted of two reached).
+        self._reached = [[2.0] * (max_k + 1) for _ in (GREEDY, SAMPLED)]
+        self._accepted = [[1.0] * (max_k + 1) for _ in (GREEDY, SAMPLED)]
         if tree:  # marginals (see the module docstring), from the same prior: prod_{i<=j} 1/2
-            self._accepted = [2.0 * 0.5 ** j for j in range(max_k + 1)]
+            self._accepted = [[2.0 * 0.5 ** j for j in range(max_k + 1)] for _ in (GREEDY, SAMPLED)]
         self._steps = 0
         self._probe_every = PROBE_EVERY  # grows while probes find drafts do not pay (MAX_PROBE_EVERY)
         self._next_probe = PROBE_EVERY
@@ -264,20 +290,29 @@ class SpeculationLength:
         self._last_probe = 0  # the step of the last probe
         self._plain: deque[tuple[int, int]] = deque(maxlen=PLAIN_KEPT)  # (requests, step) of recent plain steps
         self._explore_probes = 0  # probes made because the next position was under-measured (MIN_REACHED)
+        self._num_sampled = 0  # of the last choice's decoding requests
         self.k = max_k  # the last step's drafts per request (the most any request got)
-        self.best_k = max_k  # the last length chosen from the measurements (what a probe step gives the others)
-        self._best_rate = 0.0  # best_k's predicted rate per request
+        self.best = (max_k, max_k)  # the last lengths chosen from the measurements, (greedy, sampled)
+        self._best_rate = 0.0  # their predicted rate per request
         self.probing = False  # the last choice was a warm-up or probe step (see PROBE_REQUESTS)
         self.num_verified = 0  # requests whose drafts were verified
         self.num_drafted = 0
         self.num_accepted = 0
 
+    @property
+    def best_k(self) -> int:
+        """The longer of the last lengths chosen from the measurements."""
+        return max(self.best)
+
     # --- what was observed --------------------------------------------------------------------
 
-    def record_step(self, num_tokens: int, seconds: float, *, requests: int, drafts: int) -> None:
+    def record_step(self, num_tokens: int, seconds: float, *, requests: int, drafts: int, sampled_requests: int = 0,
+                    sampled_drafts: int = 0) -> None:
         """A target pass (with sampling and verification) over `num_tokens` scheduled tokens took `seconds`: one
-        or more for each of `requests` requests, `drafts` of them drafts to verify, the rest prompt chunks."""
-        self.cost.record(seconds, requests=requests, drafts=drafts, prefill=max(0, num_tokens - requests - drafts))
+        or more for each of `requests` requests, `drafts` of them drafts to verify, the rest prompt chunks;
+        `sampled_requests` of the requests drew a token at temperature > 0, `sampled_drafts` of the drafts theirs."""
+        self.cost.record(seconds, requests=requests, drafts=drafts, prefill=max(0, num_tokens - requests - drafts),
+                         sampled_requests=sampled_requests, sampled_drafts=sampled_drafts)
         if drafts == 0:
             self._plain.append((requests, self._steps))
 
@@ -286,65 +321,86 @@ class SpeculationLength:
         if 0 < k <= self.max_k:
             self.draft_cost.record(k, requests, seconds)
 
-    def record_verified(self, num_drafted: int, num_accepted: int, path: list[int] | None = None) -> None:
+    def record_verified(self, num_drafted: int, num_accepted: int, path: list[int] | None = None, *,
+                        sampled: bool = False) -> None:
         """One request's drafts were verified: `num_accepted` of its `num_drafted` were kept (`path`: the accepted
-        nodes of a tree, None for a chain: its first `num_accepted`)."""
+        nodes of a tree, None for a chain: its first `num_accepted`); `sampled`: by rejection sampling."""
         if num_drafted <= 0:
             return
         self.num_verified += 1
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
+        reached, accepted = self._reached[int(sampled)], self._accepted[int(sampled)]
         if self.tree:
             on_path = set(range(num_accepted) if path is None else path)
             for j in range(1, min(num_drafted, self.max_k) + 1):
-                self._reached[j] = self._reached[j] * ACCEPTANCE_DECAY + 1.0
-                self._accepted[j] = self._accepted[j] * ACCEPTANCE_DECAY + (1.0 if j - 1 in on_path else 0.0)
+                reached[j] = reached[j] * ACCEPTANCE_DECAY + 1.0
+                accepted[j] = accepted[j] * ACCEPTANCE_DECAY + (1.0 if j - 1 in on_path else 0.0)
             return
         for j in range(1, min(num_drafted, self.max_k) + 1):
             if j > num_accepted + 1:
                 break  # never reached: an earlier draft was rejected
-            self._reached[j] = self._reached[j] * ACCEPTANCE_DECAY + 1.0
-            self._accepted[j] = self._accepted[j] * ACCEPTANCE_DECAY + (1.0 if j <= num_accepted else 0.0)
+            reached[j] = reached[j] * ACCEPTANCE_DECAY + 1.0
+            accepted[j] = accepted[j] * ACCEPTANCE_DECAY + (1.0 if j <= num_accepted else 0.0)
 
     # --- the choice ---------------------------------------------------------------------------
 
-    def expected_tokens(self, k: int) -> float:
-        """Tokens one request is expected to get from a step with `k` drafts (1 with none)."""
-        expected, survive = 1.0, 1.0
-        if self.tree:
-            return expected + sum(self._accepted[j] / self._reached[j] for j in range(1, k + 1))
-        for j in range(1, k + 1):
-            survive *= self._accepted[j] / self._reached[j]
-            expected += survive
-        return expected
+    def expected_tokens(self, k: int, *, sampled: bool = False) -> float:
+        """Tokens one request (greedy, or `sampled`) is expected to get from a step with `k` drafts (1 with none)."""
+        return self._expected(int(sampled))[k]
 
-    def rate(self, num_decoding: int, k: int) -> float | None:
-        """Predicted decode tokens per second of a step drafting `k` for each of `num_decoding` requests; None
-        before any step was measured. Prefill is left out: its work is the same however many steps the decoding
-        takes, so what drafts can shorten is the decoding part (the fit prices the two apart)."""
-        seconds = self.cost.predict(num_decoding, num_decoding * k)
+    def _expected(self, cls: int, accepted_from: int | None = None) -> list[float]:
+        """E(0..max_k) for a class; `accepted_from`: as if every draft from that position on were accepted."""
+        reached, accepted = self._reached[cls], self._accepted[cls]
+        out, expected, survive = [1.0], 1.0, 1.0
+        for j in range(1, self.max_k + 1):
+            if accepted_from is not None and j >= accepted_from:
+                expected += 1.0 if self.tree else survive
+            elif self.tree:
+                expected += accepted[j] / reached[j]
+            else:
+                survive *= accepted[j] / reached[j]
+                expected += survive
+            out.append(expected)
+        return out
+
+    def rate(self, num_decoding: int, k: int, num_sampled: int = 0) -> float | None:
+        """Predicted decode tokens per second of a step drafting `k` for each of `num_decoding` requests
+        (`num_sampled` of them sampled); None before any step was measured. Prefill is left out: its work is the
+        same however many steps the decoding takes, so what drafts can shorten is the decoding part (the fit prices
+        the two apart)."""
+        seconds = self.cost.predict(num_decoding, num_decoding * k, sampled_requests=num_sampled,
+                                    sampled_drafts=num_sampled * k)
         if seconds is None:
             return None
-        return num_decoding * self.expected_tokens(k) / (seconds + self.draft_cost.predict(k, num_decoding))
+        tokens = ((num_decoding - num_sampled) * self.expected_tokens(k)
+                  + num_sampled * self.expected_tokens(k, sampled=True))
+        return tokens / (seconds + self.draft_cost.predict(k, num_decoding))
 
-    def choose(self, num_decoding: int) -> int:
-        """The most drafts any of the next step's `num_decoding` decoding requests gets; `lengths` says which gets
-        how many (a warm-up or probe step, `probing`, gives the full k to a few of them only)."""
+    def choose(self, num_decoding: int, num_sampled: int = 0) -> int:
+        """The most drafts any of the next step's `num_decoding` decoding requests (`num_sampled` of them sampling
+        at temperature > 0) gets; `lengths` says which gets how many (a warm-up or probe step, `probing`, gives the
+        full k to a few of them only; greedy and sampled requests may get different lengths otherwise)."""
         if not self.adaptive:
             self.k = self.max_k
             return self.k
         if num_decoding < 1:
             return 0
+        num_sampled = self._num_sampled = min(max(num_sampled, 0), num_decoding)
         self._steps += 1
         warm_up = self._steps <= WARMUP_STEPS
-        self.best_k, self._best_rate = (0, 0.0) if warm_up else self._best(num_decoding)
+        if warm_up:
+            self.best, self._best_rate = (0, 0), 0.0
+        else:
+            *best, self._best_rate = self._best(num_decoding - num_sampled, num_sampled)
+            self.best = (best[0], best[1])
         self.probing = warm_up or self._probe_due(num_decoding)
         if self.probing:
             self.k = self.max_k
         elif self.best_k and self._plain_unmeasured(num_decoding):
             # While every step drafts, the cost of a step without drafts would be known only through the fit's split
             # of wider ones, extrapolated from other batch sizes (MIN_PLAIN).
-            self.k = self.best_k = 0
+            self.best, self.k = (0, 0), 0
         else:
             self.k = self.best_k
         return self.k
@@ -383,49 +439,61 @@ class SpeculationLength:
         return True
 
     def _under_measured(self, num_decoding: int) -> bool:
-        """Whether the draft position past the chosen length has too few measurements to judge (MIN_REACHED), and
-        judging it could change the length: drafts accepted every time from there on would pay more than the
-        length chosen (EXPLORE_GAIN). Where they would not (a pass bound by compute, a drafter costlier than what
-        its drafts could save), measuring them buys nothing."""
-        if not 0 < self.best_k < self.max_k or self._explore_probes >= MAX_EXPLORE_PROBES:
+        """Whether, for a class of this batch, the draft position past its chosen length has too few measurements to
+        judge (MIN_REACHED), and judging it could change the length: drafts accepted every time from there on would
+        pay more than the lengths chosen (EXPLORE_GAIN). Where they would not (a pass bound by compute, a drafter
+        costlier than what its drafts could save), measuring them buys nothing."""
+        if self._explore_probes >= MAX_EXPLORE_PROBES:
             return False
-        if self._reached[self.best_k + 1] >= MIN_REACHED:
-            return False
-        best_k, best_rate = self._best(num_decoding, accepted_from=self.best_k + 1)
-        return best_k > self.best_k and best_rate > (1.0 + EXPLORE_GAIN) * self._best_rate
+        num_sampled = self._num_sampled
+        for cls, n in ((GREEDY, num_decoding - num_sampled), (SAMPLED, num_sampled)):
+            k = self.best[cls]
+            if not n or not 0 < k < self.max_k or self._reached[cls][k + 1] >= MIN_REACHED:
+                continue
+            *lengths, rate = self._best(num_decoding - num_sampled, num_sampled, explore=(cls, k + 1))
+            if lengths[cls] > k and rate > (1.0 + EXPLORE_GAIN) * self._best_rate:
+                return True
+        return False
 
-    def _best(self, num_decoding: int, accepted_from: int | None = None) -> tuple[int, float]:
-        """argmax_k of `rate` and its rate per request (written out: it runs every step); `accepted_from`: as if
-        every draft from that position on were accepted."""
-        plain = self.cost.predict(num_decoding, 0)
+    def _best(self, num_greedy: int, num_sampled: int,
+              explore: tuple[int, int] | None = None) -> tuple[int, int, float]:
+        """The (greedy, sampled) lengths of the highest `rate` and that rate per request (written out: it runs every
+        step); `explore` (class, position): as if every draft of that class from that position on were accepted."""
+        num_decoding = num_greedy + num_sampled
+        plain = self.cost.predict(num_decoding, 0, sampled_requests=num_sampled)
         if plain is None:
-            return self.max_k, 0.0  # nothing measured yet
-        per_draft = self.cost.draft_seconds or 0.0
-        best_k, best_rate = 0, 1.0 / plain
-        expected, survive = 1.0, 1.0
-        for k in range(1, self.max_k + 1):
-            if accepted_from is not None and k >= accepted_from:
-                expected += survive if not self.tree else 1.0
-            elif self.tree:
-                expected += self._accepted[k] / self._reached[k]
-            else:
-                survive *= self._accepted[k] / self._reached[k]
-                expected += survive
-            seconds = plain + per_draft * num_decoding * k + self.draft_cost.predict(k, num_decoding)
-            if expected / seconds > best_rate:  # per request: num_decoding cancels
-                best_k, best_rate = k, expected / seconds
-        return best_k, best_rate
+            return self.max_k, self.max_k, 0.0  # nothing measured yet
+        per_greedy, per_sampled = self.cost.draft_prices()
+        greedy = self._expected(GREEDY, explore[1] if explore and explore[0] == GREEDY else None)
+        sampled = self._expected(SAMPLED, explore[1] if explore and explore[0] == SAMPLED else None)
+        best = (0, 0, num_decoding / plain)
+        for k_greedy in range(self.max_k + 1) if num_greedy else (0,):
+            for k_sampled in range(self.max_k + 1) if num_sampled else (0,):
+                if not k_greedy and not k_sampled:
+                    continue
+                drafting = (num_greedy if k_greedy else 0) + (num_sampled if k_sampled else 0)
+                seconds = (plain + per_greedy * num_greedy * k_greedy + per_sampled * num_sampled * k_sampled
+                           + self.draft_cost.predict(max(k_greedy, k_sampled), drafting))
+                rate = (num_greedy * greedy[k_greedy] + num_sampled * sampled[k_sampled]) / seconds
+                if rate > best[2]:
+                    best = (k_greedy, k_sampled, rate)
+        return best[0], best[1], best[2] / num_decoding
 
-    def lengths(self, num_eligible: int) -> list[int]:
-        """Drafts for each of the step's `num_eligible` decoding requests (in batch order) after `choose`: the
-        length chosen, and on a warm-up or probe step the full k for PROBE_REQUESTS of them, rotating through the
-        batch (the others get the length chosen: none during the warm-up)."""
-        if not self.probing or num_eligible <= PROBE_REQUESTS:
+    def lengths(self, num_eligible: int, sampled: Sequence[bool] | None = None) -> list[int]:
+        """Drafts for each of the step's `num_eligible` decoding requests (in batch order; `sampled`: which of them
+        sample at temperature > 0) after `choose`: the length chosen for its class, and on a warm-up or probe step
+        the full k for PROBE_REQUESTS of them, rotating through the batch (the others get the length chosen: none
+        during the warm-up)."""
+        if (self.probing and num_eligible <= PROBE_REQUESTS) or not self.adaptive:
             return [self.k] * num_eligible
-        out = [self.best_k] * num_eligible
-        start = (self._steps * PROBE_REQUESTS) % num_eligible
-        for i in range(PROBE_REQUESTS):
-            out[(start + i) % num_eligible] = self.max_k
+        flags = sampled if sampled is not None else [False] * num_eligible
+        out = [self.best[SAMPLED] if s else self.best[GREEDY] for s in flags]
+        if self.probing:
+            start = (self._steps * PROBE_REQUESTS) % num_eligible
+            for i in range(PROBE_REQUESTS):
+                out[(start + i) % num_eligible] = self.max_k
+        elif self.k == 0:
+            return [0] * num_eligible
         return out
 
     # --- what metrics report ------------------------------------------------------------------
