@@ -464,8 +464,11 @@ class SpeculationLength:
         if plain is None:
             return self.max_k, self.max_k, 0.0  # nothing measured yet
         per_greedy, per_sampled = self.cost.draft_prices()
-        greedy = self._expected(GREEDY, explore[1] if explore and explore[0] == GREEDY else None)
-        sampled = self._expected(SAMPLED, explore[1] if explore and explore[0] == SAMPLED else None)
+        greedy = sampled = None
+        if num_greedy:
+            greedy = self._expected(GREEDY, explore[1] if explore and explore[0] == GREEDY else None)
+        if num_sampled:
+            sampled = self._expected(SAMPLED, explore[1] if explore and explore[0] == SAMPLED else None)
         best = (0, 0, num_decoding / plain)
         for k_greedy in range(self.max_k + 1) if num_greedy else (0,):
             for k_sampled in range(self.max_k + 1) if num_sampled else (0,):
@@ -474,7 +477,9 @@ class SpeculationLength:
                 drafting = (num_greedy if k_greedy else 0) + (num_sampled if k_sampled else 0)
                 seconds = (plain + per_greedy * num_greedy * k_greedy + per_sampled * num_sampled * k_sampled
                            + self.draft_cost.predict(max(k_greedy, k_sampled), drafting))
-                rate = (num_greedy * greedy[k_greedy] + num_sampled * sampled[k_sampled]) / seconds
+                tokens = (num_greedy * greedy[k_greedy] if greedy else 0.0) + (
+                    num_sampled * sampled[k_sampled] if sampled else 0.0)
+                rate = tokens / seconds
                 if rate > best[2]:
                     best = (k_greedy, k_sampled, rate)
         return best[0], best[1], best[2] / num_decoding
