@@ -31,19 +31,18 @@ i_1 < i_2 < ... would, with a budget of k, have kept the path's nodes below k. `
 the accepted path (among requests given at least j nodes), gives `E(k) = 1 + sum_{j<=k} g_j` (for a chain this is
 the formula above).
 
-It then picks `argmax B_g * E_g(k_g) + B_s * E_s(k_s) / (T + D)` over a length for the B_g greedy and one for
-the B_s sampled decoding requests, T without prefill: a prompt's work
-is the same however many steps its request's decoding takes (and which prompts the next step brings is not known
-when its drafts are made). Measurements decay (the load changes), and a step now and then drafts the full k for a
-few requests, so that acceptance and the cost of drafts stay measured even while they do not pay (less and less
-often while each such probe confirms they do not: a probe costs a model-backed drafter a pass over the probed
-requests' contexts), and one now and then drafts none, so that what speculation is compared with stays measured too,
-at each batch size (MIN_PLAIN: soon after the batch changes). While drafts pay, the position just past the chosen
-length is probed often until it is measured (MIN_REACHED): only probes ever measure it. A direction the measurements
-do not tell apart (only plain steps seen, say) is priced pessimistically, every token at the average cost per token
-seen, as if compute-bound: a draft is not bet on before it was measured. The same logic keeps k high where a wider
-pass is nearly free (a GPU at moderate batch: `v` measures ~0). There is no batch-size cut-off: `[speculator]
-max_batch_size` is an optional ceiling a user may set above this.
+It then picks `argmax (B_g * E_g(k_g) + B_s * E_s(k_s)) / (T + D)` over a length for the B_g greedy and one for the B_s
+sampled decoding requests, T without prefill: a prompt's work is the same however many steps its request's decoding
+takes (and which prompts the next step brings is not known when its drafts are made). Measurements decay (the load
+changes), and a step now and then drafts the full k for a few requests, so that acceptance and the cost of drafts stay
+measured even while they do not pay (less and less often while each such probe confirms they do not: a probe costs a
+model-backed drafter a pass over the probed requests' contexts), and one now and then drafts none, so that what
+speculation is compared with stays measured too, at each batch size (MIN_PLAIN: soon after the batch changes). While
+drafts pay, the position just past the chosen length is probed often until it is measured (MIN_REACHED): only probes
+ever measure it. A direction the measurements do not tell apart (only plain steps seen, say) is priced pessimistically,
+every token at the average cost per token seen, as if compute-bound: a draft is not bet on before it was measured. The
+same logic keeps k high where a wider pass is nearly free (a GPU at moderate batch: `v` measures ~0). There is no
+batch-size cut-off: `[speculator] max_batch_size` is an optional ceiling a user may set above this.
 """
 
 from __future__ import annotations
