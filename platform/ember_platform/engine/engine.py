@@ -440,13 +440,13 @@ class LLMEngine:
                         if tokens is not None and req.spec_token_ids]
             # Requests drawing at temperature > 0 are priced apart (their rows cost more: spec_length.py).
             spec.record_step(plan.num_tokens, spec.clock() - spec_t0,
-                             [(len(req.spec_token_ids), len(tokens) - 1) for req, tokens in verified],
+                             [(len(req.spec_token_ids), len(tokens) - 1, not req.params.greedy)
+                              for req, tokens in verified],
                              [req.request_id for req, _ in verified], num_requests=len(batch.requests),
                              num_drafts=sum(map(len, plan.spec_token_ids)),
                              num_sampled=sum(not req.params.greedy for req in sampled),
                              num_sampled_drafts=sum(len(d) for d, req in zip(plan.spec_token_ids, batch.requests,
-                                                                            strict=True) if not req.params.greedy),
-                             verified_sampled=[not req.params.greedy for req, _ in verified])
+                                                                            strict=True) if not req.params.greedy))
         failed = {id(req) for req, tokens in zip(sampled, sampled_tokens, strict=True) if tokens is None}
         for req, n in zip(batch.requests, batch.num_tokens, strict=True):
             if id(req) in failed:

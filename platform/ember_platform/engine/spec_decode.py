@@ -52,20 +52,19 @@ class SpecDecoder:
         self.num_tree_moves += sum(any(node != d for d, node in enumerate(path)) for path in self._paths.values())
         return self._paths
 
-    def record_step(self, num_tokens: int, seconds: float, verified: Sequence[tuple[int, int]],
+    def record_step(self, num_tokens: int, seconds: float, verified: Sequence[tuple[int, int, bool]],
                     request_ids: Sequence[str] = (), *, num_requests: int, num_drafts: int,
-                    num_sampled: int = 0, num_sampled_drafts: int = 0, verified_sampled: Sequence[bool] = ()) -> None:
+                    num_sampled: int = 0, num_sampled_drafts: int = 0) -> None:
         """A step's target pass over `num_tokens` (for `num_requests` requests, `num_drafts` of the tokens drafts)
-        took `seconds`; `verified`: (drafted, accepted) per request whose drafts it verified (`request_ids`: theirs,
-        to find tree paths; `verified_sampled`: whether each verified by rejection sampling). `num_sampled` of the
-        requests drew a token at temperature > 0, `num_sampled_drafts` of the drafts theirs (a sampled row costs
-        more than a greedy one: spec_length.py). What `SpeculationLength` chooses the next steps' lengths from."""
+        took `seconds`; `verified`: (drafted, accepted, by rejection sampling) per request whose drafts it verified
+        (`request_ids`: theirs, to find tree paths). `num_sampled` of the requests drew a token at temperature > 0,
+        `num_sampled_drafts` of the drafts theirs (a sampled row costs more than a greedy one: spec_length.py).
+        What `SpeculationLength` chooses the next steps' lengths from."""
         self.length.record_step(num_tokens, seconds, requests=num_requests, drafts=num_drafts,
                                 sampled_requests=num_sampled, sampled_drafts=num_sampled_drafts)
-        for j, (drafted, accepted) in enumerate(verified):
+        for j, (drafted, accepted, sampled) in enumerate(verified):
             path = self._paths.get(request_ids[j]) if self._paths and j < len(request_ids) else None
-            self.length.record_verified(drafted, accepted, path,
-                                        sampled=j < len(verified_sampled) and verified_sampled[j])
+            self.length.record_verified(drafted, accepted, path, sampled=sampled)
 
     def length_stats(self) -> dict[str, float]:
         length = self.length

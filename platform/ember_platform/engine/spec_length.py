@@ -363,19 +363,6 @@ class SpeculationLength:
             out.append(expected)
         return out
 
-    def rate(self, num_decoding: int, k: int, num_sampled: int = 0) -> float | None:
-        """Predicted decode tokens per second of a step drafting `k` for each of `num_decoding` requests
-        (`num_sampled` of them sampled); None before any step was measured. Prefill is left out: its work is the
-        same however many steps the decoding takes, so what drafts can shorten is the decoding part (the fit prices
-        the two apart)."""
-        seconds = self.cost.predict(num_decoding, num_decoding * k, sampled_requests=num_sampled,
-                                    sampled_drafts=num_sampled * k)
-        if seconds is None:
-            return None
-        tokens = ((num_decoding - num_sampled) * self.expected_tokens(k)
-                  + num_sampled * self.expected_tokens(k, sampled=True))
-        return tokens / (seconds + self.draft_cost.predict(k, num_decoding))
-
     def choose(self, num_decoding: int, num_sampled: int = 0) -> int:
         """The most drafts any of the next step's `num_decoding` decoding requests (`num_sampled` of them sampling
         at temperature > 0) gets; `lengths` says which gets how many (a warm-up or probe step, `probing`, gives the
@@ -391,8 +378,8 @@ class SpeculationLength:
         if warm_up:
             self.best, self._best_rate = (0, 0), 0.0
         else:
-            *best, self._best_rate = self._best(num_decoding - num_sampled, num_sampled)
-            self.best = (best[0], best[1])
+            k_greedy, k_sampled, self._best_rate = self._best(num_decoding - num_sampled, num_sampled)
+            self.best = (k_greedy, k_sampled)
         self.probing = warm_up or self._probe_due(num_decoding)
         if self.probing:
             self.k = self.max_k
@@ -456,18 +443,18 @@ class SpeculationLength:
 
     def _best(self, num_greedy: int, num_sampled: int,
               explore: tuple[int, int] | None = None) -> tuple[int, int, float]:
-        """The (greedy, sampled) lengths of the highest `rate` and that rate per request (written out: it runs every
-        step); `explore` (class, position): as if every draft of that class from that position on were accepted."""
+        """The (greedy, sampled) lengths of the highest predicted decode tokens per second, and that rate per request
+        (written out: it runs every step). Prefill is left out: its work is the same however many steps the decoding
+        takes, so what drafts can shorten is the decoding part (the fit prices the two apart). `explore` (class,
+        position): as if every draft of that class from that position on were accepted."""
         num_decoding = num_greedy + num_sampled
         plain = self.cost.predict(num_decoding, 0, sampled_requests=num_sampled)
         if plain is None:
             return self.max_k, self.max_k, 0.0  # nothing measured yet
         per_greedy, per_sampled = self.cost.draft_prices()
-        greedy = sampled = None
-        if num_greedy:
-            greedy = self._expected(GREEDY, explore[1] if explore and explore[0] == GREEDY else None)
-        if num_sampled:
-            sampled = self._expected(SAMPLED, explore[1] if explore and explore[0] == SAMPLED else None)
+        # E(k) of each class (a class the batch lacks only at k = 0, where it weighs nothing)
+        greedy, sampled = (self._expected(cls, explore[1] if explore and explore[0] == cls else None) if n else (1.0,)
+                           for cls, n in ((GREEDY, num_greedy), (SAMPLED, num_sampled)))
         best = (0, 0, num_decoding / plain)
         for k_greedy in range(self.max_k + 1) if num_greedy else (0,):
             for k_sampled in range(self.max_k + 1) if num_sampled else (0,):
@@ -476,9 +463,7 @@ class SpeculationLength:
                 drafting = (num_greedy if k_greedy else 0) + (num_sampled if k_sampled else 0)
                 seconds = (plain + per_greedy * num_greedy * k_greedy + per_sampled * num_sampled * k_sampled
                            + self.draft_cost.predict(max(k_greedy, k_sampled), drafting))
-                tokens = (num_greedy * greedy[k_greedy] if greedy else 0.0) + (
-                    num_sampled * sampled[k_sampled] if sampled else 0.0)
-                rate = tokens / seconds
+                rate = (num_greedy * greedy[k_greedy] + num_sampled * sampled[k_sampled]) / seconds
                 if rate > best[2]:
                     best = (k_greedy, k_sampled, rate)
         return best[0], best[1], best[2] / num_decoding
@@ -496,8 +481,6 @@ class SpeculationLength:
             start = (self._steps * PROBE_REQUESTS) % num_eligible
             for i in range(PROBE_REQUESTS):
                 out[(start + i) % num_eligible] = self.max_k
-        elif self.k == 0:
-            return [0] * num_eligible
         return out
 
     # --- what metrics report ------------------------------------------------------------------
