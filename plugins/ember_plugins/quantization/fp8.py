@@ -18,8 +18,9 @@ Kernels, chosen per call by the rows of x (`dense_threshold`):
 * CPU, more rows of bf16 activations on a CPU with AVX512_BF16 but no AMX: `bf16_gemm`, tiles of
   12 weight rows widened exactly into bf16 in a per-thread buffer (in L2) and multiplied with vdpbf16ps (float32
   sums); no full-precision copy of the weights is kept. Measured 1.1-1.6x the bf16 dense GEMM at 8-64 rows, where
-  the tiled path below ran 0.57-0.96x, and 0.8-1.1x on prefill chunks (bench/bench_quantized_linear.py): there
-  both run vdpbf16ps at its peak and fp8 pays the widening on top.
+  the tiled path below ran 0.57-0.96x. On prefill chunks both run vdpbf16ps near its peak: since its output tiles
+  are transposed in registers (not gathered) it ties oneDNN there, 1.01-1.04x at 256-2048 rows by one thread's CPU
+  time (0.90-0.98x before; bench/bench_quantized_linear.py --threads 1 --cpu-time, bench/README.md).
 * CPU, more rows otherwise (float32 activations, or no AVX512_BF16): `tiled_linear`, tiles of weights widened
   exactly into the activations' dtype in a cache-sized scratch buffer, multiplied by torch's GEMM, scaled per
   channel. No full-precision copy of the weights is ever kept.
