@@ -346,6 +346,7 @@ int ember_scale_int32(const int32_t *acc, const float *row_scale, const float *c
 /* Register tile: 12 weight rows (broadcast operands) x 2 vectors of 16 rows of x: 24 accumulators + 3 operands in
  * 32 registers. Measured against 8 x 3, 6 x 4 and 16 x 1 at 16-512 rows: 12 x 2 was as fast or faster. */
 #define BG_NT 12
+_Static_assert(BG_NT <= 16, "bg_tile transposes its weight rows as 16 lanes");
 #define BG_MV 2
 #define BG_X_BYTES (768 * 1024) /* interleaved x per block of rows: most of a 1 MB L2, the smallest of the targets */
 
@@ -384,12 +385,14 @@ static inline __attribute__((always_inline)) void bg_tile(const uint32_t *xi, co
     const __mmask16 nmask = (__mmask16)((1u << nn) - 1);
     for (int v = 0; v < mv; v++) {
         __m512i r[16];
-        for (int j = 0; j < 16; j++)
+        for (int j = 0; j < BG_NT; j++)
             r[j] = j < nn ? _mm512_castps_si512(_mm512_mul_ps(acc[j][v], _mm512_set1_ps(scale[n0 + j])))
                           : _mm512_setzero_si512();
+        for (int j = BG_NT; j < 16; j++) r[j] = _mm512_setzero_si512();
         transpose16(r);
         const int64_t m0 = (mb0 + v) * 16;
-        for (int l = 0; l < 16 && m0 + l < M; l++) store16(y, (m0 + l) * N + n0, nmask, _mm512_castsi512_ps(r[l]), y_bf16);
+        for (int l = 0; l < 16 && m0 + l < M; l++)
+            store16(y, (m0 + l) * N + n0, nmask, _mm512_castsi512_ps(r[l]), y_bf16);
     }
 }
 
