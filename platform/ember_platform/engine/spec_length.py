@@ -224,13 +224,9 @@ class StepCost:
                        float(drafts - sampled_drafts), float(sampled_drafts), float(prefill)), seconds)
         self.num_steps += 1
 
-    @property
-    def draft_seconds(self) -> float | None:
-        """What one more verified greedy draft adds to a step (never below 0: noise does not make drafts pay)."""
-        return None if self._fit.empty else self.draft_prices()[0]
-
     def draft_prices(self) -> tuple[float, float]:
-        """What one more verified draft adds to a step, (greedy, sampled); (0, 0) before any step was measured."""
+        """What one more verified draft adds to a step, (greedy, sampled), never below 0 (noise does not make drafts
+        pay); (0, 0) before any step was measured."""
         if self._fit.empty:
             return 0.0, 0.0
         theta = self._fit.theta()

@@ -245,7 +245,7 @@ def test_step_cost_prices_drafts_apart_from_prefill() -> None:
         cost.record(truth(requests, drafts, prefill), requests=requests, drafts=drafts, prefill=prefill)
     assert cost.predict(32, 96) == pytest.approx(truth(32, 96, 0), rel=1e-3)  # 3 drafts each: 4x the rows
     assert cost.predict(32, 0, 500) == pytest.approx(truth(32, 0, 500), rel=1e-3)
-    assert cost.draft_seconds == pytest.approx(0.001, rel=1e-3)
+    assert cost.draft_prices()[0] == pytest.approx(0.001, rel=1e-3)
     cost.record(1.0, requests=0, drafts=0, prefill=4)  # ignored: no request
     cost.record(float("nan"), requests=4, drafts=0, prefill=0)
     assert cost.predict(32, 96) == pytest.approx(truth(32, 96, 0), rel=1e-3)
@@ -257,7 +257,7 @@ def test_a_draft_never_measured_is_priced_as_if_compute_bound() -> None:
     cost = StepCost()
     for step in range(100):
         cost.record(0.002 + 0.001 * (30 + step % 3), requests=30 + step % 3, drafts=0, prefill=0)
-    assert cost.draft_seconds == pytest.approx(0.002 / 31 + 0.001, rel=0.05)
+    assert cost.draft_prices()[0] == pytest.approx(0.002 / 31 + 0.001, rel=0.05)
 
 
 REPETITIVE = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add(a, b):\n"
